@@ -1,0 +1,97 @@
+"""Start N ranks as real processes on this machine, the way torchrun does.
+
+Each rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+Output goes to one combined log with a `[rankN]:` prefix on every line. When a rank fails,
+the others get `grace_s` to fail on their own, then are torn down (SIGTERM, then SIGKILL),
+as torchrun's agent tears a job down.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class JobResult:
+    returncodes: list[int]
+    log_path: Path
+    wall_s: float
+    torn_down: list[int]  # ranks the launcher had to terminate
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pump(stream, rank: int, log, lock: threading.Lock, echo) -> None:
+    prefix = f"[rank{rank}]:"
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        if not line.startswith(prefix):
+            line = f"{prefix} {line}"
+        with lock:
+            log.write(line + "\n")
+            log.flush()
+        if echo:
+            echo(line)
+
+
+def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float = 5.0,
+           timeout_s: float = 1800.0, env: dict | None = None, echo=None) -> JobResult:
+    """Run `python <args>` as `world_size` ranks; returns when all have exited."""
+    port = free_port()
+    base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    lock, threads, procs = threading.Lock(), [], []
+    start = time.time()
+    with open(log_path, "w") as log:
+        for rank in range(world_size):
+            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
+            proc = subprocess.Popen([sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            procs.append(proc)
+            thread = threading.Thread(target=_pump, args=(proc.stdout, rank, log, lock, echo), daemon=True)
+            thread.start()
+            threads.append(thread)
+        torn_down = _supervise(procs, grace_s, timeout_s, start)
+        for thread in threads:
+            thread.join(timeout=10)
+    return JobResult([p.returncode for p in procs], log_path, time.time() - start, torn_down)
+
+
+def _supervise(procs: list[subprocess.Popen], grace_s: float, timeout_s: float, start: float) -> list[int]:
+    first_failure = None
+    while any(p.poll() is None for p in procs):
+        now = time.time()
+        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
+            first_failure = now
+        if (first_failure is not None and now - first_failure > grace_s) or now - start > timeout_s:
+            return _tear_down(procs)
+        time.sleep(0.1)
+    return []
+
+
+def _tear_down(procs: list[subprocess.Popen]) -> list[int]:
+    alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
+    for rank in alive:
+        procs[rank].send_signal(signal.SIGTERM)
+    deadline = time.time() + 10
+    for rank in alive:
+        try:
+            procs[rank].wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(procs[rank].pid, signal.SIGKILL)
+            procs[rank].wait()
+    return alive

@@ -1,0 +1,109 @@
+"""One rank of a training job: `python -m ckptdoctor.worker SPEC.json` (started by the launcher).
+
+The default process group stands for the gloo half of the reporter's "cpu:gloo,npu:hccl"
+group and carries the checkpoint deadline; FSDP trains on a second gloo group with the
+training timeout (see accelerate_cpu.py). Each rank writes `rank<N>.json` with its outcome,
+the frames of any exception, and its DCP step events, then lets the exception escape so
+torch's excepthook prints the `[rankN]:` traceback as in the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .config import TrainingConfig
+from .model import MovaShape
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    config: TrainingConfig
+    shape: MovaShape
+    output_dir: str
+    results_dir: str
+    checkpoint_deadline_s: float
+    training_timeout_s: float = 1800.0
+    fix: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        raw = json.loads(text)
+        raw["config"] = TrainingConfig(**raw["config"])
+        raw["shape"] = MovaShape(**raw["shape"])
+        return cls(**raw)
+
+
+def frames_of(tb) -> list[dict]:
+    """Frames of a traceback or stack summary, outermost first."""
+    summary = tb if isinstance(tb, traceback.StackSummary) else traceback.extract_tb(tb)
+    return [{"function": f.name, "file": f.filename, "line": f.lineno} for f in summary]
+
+
+class RankReport:
+    """Accumulates what this rank saw and writes it as JSON, even when killed."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, recorder):
+        self.path = Path(spec.results_dir) / f"rank{rank}.json"
+        self.data = {"rank": rank, "status": "running", "started_s": time.time()}
+        self.recorder = recorder
+
+    def write(self, **fields) -> None:
+        self.data.update(fields, ended_s=time.time(),
+                         events=[dataclasses.asdict(e) for e in self.recorder.events])
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def run(spec: WorkerSpec) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from .timeline import DcpEventRecorder
+    from .trainer import AccelerateTrainer
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.checkpoint_deadline_s))
+    training_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.training_timeout_s))
+    report = RankReport(spec, rank, DcpEventRecorder(rank).install())
+
+    def on_sigterm(signum, frame):  # the launcher tears the job down: keep the evidence
+        report.write(status="terminated", frames=frames_of(traceback.extract_stack(frame)))
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    save_hook = None
+    if spec.fix:
+        from .fix import fixed_save_hook
+        save_hook = fixed_save_hook(spec)
+    try:
+        trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, training_group, save_hook)
+        result = trainer.train()
+    except BaseException as error:
+        report.write(status="failed", error_type=type(error).__name__, error=str(error).strip(),
+                     error_time_s=time.time(), frames=frames_of(error.__traceback__))
+        raise
+    report.write(status="ok", losses=result.losses, saved_steps=result.saved_steps)
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    return run(WorkerSpec.from_json(Path(argv[0]).read_text()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
