@@ -26,8 +26,8 @@ class TrainingConfig:
     lora_rank: int = 16
     learning_rate: float = 1e-4
     gradient_accumulation_steps: int = 4
-    save_interval: int = 2            # optimizer steps between saves (200 in MOVA; small here)
-    max_steps: int = 2
+    save_interval: int = 1            # optimizer steps between saves (200 in MOVA; 1 here)
+    max_steps: int = 1
     micro_batch: int = 2
     seed: int = 1234
 

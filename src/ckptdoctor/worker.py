@@ -32,6 +32,9 @@ class WorkerSpec:
     checkpoint_deadline_s: float
     training_timeout_s: float = 1800.0
     fix: bool = False
+    # Time gloo operations (calibration). Off in the reproduction itself, so that its
+    # tracebacks hold torch's and Accelerate's frames only, as the report's do.
+    time_collectives: bool = False
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -53,14 +56,15 @@ def frames_of(tb) -> list[dict]:
 class RankReport:
     """Accumulates what this rank saw and writes it as JSON, even when killed."""
 
-    def __init__(self, spec: WorkerSpec, rank: int, recorder):
+    def __init__(self, spec: WorkerSpec, rank: int, probe):
         self.path = Path(spec.results_dir) / f"rank{rank}.json"
         self.data = {"rank": rank, "status": "running", "started_s": time.time()}
-        self.recorder = recorder
+        self.probe = probe
 
     def write(self, **fields) -> None:
         self.data.update(fields, ended_s=time.time(),
-                         events=[dataclasses.asdict(e) for e in self.recorder.events])
+                         events=[dataclasses.asdict(e) for e in self.probe.events],
+                         calls=[dataclasses.asdict(c) for c in self.probe.calls])
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
         os.replace(tmp, self.path)
@@ -70,14 +74,14 @@ def run(spec: WorkerSpec) -> int:
     import torch
     import torch.distributed as dist
 
-    from .timeline import DcpEventRecorder
+    from .probes import SaveProbe
     from .trainer import AccelerateTrainer
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.checkpoint_deadline_s))
     training_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.training_timeout_s))
-    report = RankReport(spec, rank, DcpEventRecorder(rank).install())
+    report = RankReport(spec, rank, SaveProbe(rank).install(time_collectives=spec.time_collectives))
 
     def on_sigterm(signum, frame):  # the launcher tears the job down: keep the evidence
         report.write(status="terminated", frames=frames_of(traceback.extract_stack(frame)))

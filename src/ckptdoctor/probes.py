@@ -1,0 +1,97 @@
+"""Observe a running save without changing it: DCP's logger events and timed collectives.
+
+Two probes, both read-only:
+
+* torch wraps the steps of `dcp.save` in `_dcp_method_logger`, which logs start/end events
+  with nanosecond timestamps to its DCP logger at DEBUG level; a logging handler there sees
+  every step of the real save.
+* how long a rank waited inside the plan exchange is not logged anywhere, so the object
+  collectives DCP calls through the `torch.distributed` namespace (`dist.gather_object`,
+  `dist.scatter_object_list`, ...) and `dist.barrier` are wrapped with a timer, and so are
+  the gloo operations those object collectives call as module globals of
+  `distributed_c10d` (`broadcast`, `scatter`, `gather`, `all_gather`): each of those is
+  one wait with its own gloo deadline, which is what the reproduction must measure (an
+  object collective also pickles and unpickles, which is work, not waiting).
+  This is the one monkeypatch in the project: pass-through wrappers, checked against the
+  torch versions we pin (tests assert the calls are seen), undone by `uninstall()`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+
+from .errors import UnsupportedVersion
+from .timeline import CollectiveCall, StepEvent
+
+TIMED_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object", "barrier")
+TIMED_GLOO_OPS = ("broadcast", "scatter", "gather", "all_gather")  # recorded as "c10d.<name>"
+LOGGED_FUNCTIONS = ("save", "_save_state_dict", "local_step", "global_step", "write_data", "finish_checkpoint")
+CHECKED_TORCH = ("2.8.0", "2.14.1")
+
+
+class SaveProbe(logging.Handler):
+    """Records this rank's DCP step events and object-collective calls."""
+
+    def __init__(self, rank: int):
+        super().__init__(level=logging.DEBUG)
+        self.rank = rank
+        self.events: list[StepEvent] = []
+        self.calls: list[CollectiveCall] = []
+        self._originals: dict[tuple[object, str], object] = {}
+
+    # -- DCP logger events --------------------------------------------------------------
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if not isinstance(msg, dict) or msg.get("func_name") not in LOGGED_FUNCTIONS:
+            return
+        checkpoint_id = msg.get("checkpoint_id") or ""
+        self.events.append(StepEvent(
+            rank=self.rank, save=os.path.basename(os.path.normpath(checkpoint_id)),
+            step=msg["func_name"], event=msg.get("event", "?"),
+            time_s=msg.get("time", time.time_ns()) / 1e9, error=msg.get("error")))
+
+    # -- timed collectives --------------------------------------------------------------
+    def _timed(self, name: str, func):
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            start, ok = time.time(), False
+            try:
+                result = func(*args, **kwargs)
+                ok = True
+                return result
+            finally:
+                self.calls.append(CollectiveCall(self.rank, name, start, time.time(), ok))
+        return wrapper
+
+    def install(self, time_collectives: bool = True) -> "SaveProbe":
+        from .stacks import installed_versions
+
+        if time_collectives and installed_versions()[0] not in CHECKED_TORCH:
+            raise UnsupportedVersion(f"collective timing is checked on torch {', '.join(CHECKED_TORCH)} only")
+        _dcp_logger().addHandler(self)
+        if time_collectives:
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d as c10d
+
+            for module, names, prefix in ((dist, TIMED_COLLECTIVES, ""), (c10d, TIMED_GLOO_OPS, "c10d.")):
+                for name in names:
+                    original = self._originals[(module, name)] = getattr(module, name)
+                    setattr(module, name, self._timed(prefix + name, original))
+        return self
+
+    def uninstall(self) -> None:
+        _dcp_logger().removeHandler(self)
+        for (module, name), original in self._originals.items():
+            setattr(module, name, original)
+        self._originals.clear()
+
+
+def _dcp_logger() -> logging.Logger:
+    """The logger `_dcp_method_logger` writes to ("c10d-NullHandler-dcp_logger" in torch
+    2.8 and 2.14: DEBUG level, not propagating)."""
+    from torch.distributed.checkpoint import logger as dcp_logging
+
+    return dcp_logging._dcp_logger

@@ -1,0 +1,66 @@
+"""The reproduction itself: real 8-rank jobs through Accelerate's save_state (minutes each)."""
+
+import re
+
+import pytest
+
+from ckptdoctor.repro import ReproOptions, reproduce
+from ckptdoctor.stacks import USER, installed_versions
+
+pytestmark = pytest.mark.slow
+FRAME = re.compile(r'File "[^"]*site-packages/([^"]+)", line (\d+), in (\w+)')
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory):
+    return reproduce(ReproOptions(mode="sft", output_dir=tmp_path_factory.mktemp("sft")), progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    return reproduce(ReproOptions(mode="lora", output_dir=tmp_path_factory.mktemp("lora")), progress=lambda _: None)
+
+
+def test_sft_optimizer_save_times_out_in_the_plan_scatter_after_the_model_save_completed(sft):
+    assert sft["reproduced"] is True
+    assert sft["model_save_ok"] is True and sft["optimizer_save_ok"] is False
+    assert (sft["failed_call"], sft["failed_phase"], sft["waiting_call"]) == ("save_fsdp_optimizer", "plan-scatter", "broadcast")
+    assert sft["ranks_timed_out"] == list(range(1, 8))
+    assert re.fullmatch(r"\[[^\]]*/gloo/transport/tcp/unbound_buffer\.cc:\d+\] Timed out waiting (\d+)ms for recv "
+                        r"operation to complete", sft["gloo_error"])
+    waited_ms = int(re.search(r"waiting (\d+)ms", sft["gloo_error"]).group(1))
+    assert abs(waited_ms - sft["deadline_ms"]) <= 1
+
+
+def test_sft_frames_are_the_reported_chain(sft):
+    frames = sft["frames"]
+    chain = frames[frames.index("save_state"):]
+    assert chain == ["save_state", "save_fsdp_optimizer", "wrapper", "inner_func", "save", "_save_state_dict",
+                     "reduce_scatter", "scatter_object", "wrapper", "scatter_object_list", "wrapper", "broadcast"]
+
+
+def test_sft_frame_lines_equal_the_reports_on_the_users_stack(sft, user_report_text):
+    if installed_versions() != (USER.torch, USER.accelerate):
+        pytest.skip("line numbers are the user's stack's")
+    first_rank = user_report_text[user_report_text.index("[rank1136]: Traceback"):]
+    reported = FRAME.findall(first_rank)
+    ours = [FRAME.search(f'File "{loc.split(":")[0]}", line {loc.split(":")[1].split()[0]}, in {loc.split()[-1]}')
+            for loc in sft["frame_locations"]]
+    ours = [m.groups() for m in ours if m]
+    assert ours == reported, "frames of the reproduction differ from the report's"
+
+
+def test_sft_rank0_was_planning_while_the_peers_timed_out(sft):
+    where = sft["where_at_timeout"]
+    assert where[0]["phase"] in ("gather: receive + unpickle plans", "global plan (rank 0)", "scatter")
+    assert all(where[r]["phase"] == "waiting for plan (gather + scatter)" for r in range(1, 8))
+    assert sft["plan_scatter_wait_s"]["optimizer"] > sft["deadline_ms"] / 1000 > sft["plan_scatter_wait_s"]["model"]
+
+
+def test_lora_the_model_plan_is_the_long_one_so_the_model_save_trips_first(lora):
+    plan = lora["plan_scatter_wait_s"]
+    assert plan["optimizer"] < 1.5 * plan["model"]
+    assert lora["reproduced"] is True
+    assert (lora["failed_call"], lora["failed_phase"], lora["waiting_call"]) == ("save_fsdp_model", "plan-scatter", "broadcast")
+    assert lora["model_save_ok"] is False and lora["optimizer_save_ok"] is False
+    assert "Timed out waiting" in lora["gloo_error"]
