@@ -64,10 +64,29 @@ class RankReport:
     def write(self, **fields) -> None:
         self.data.update(fields, ended_s=time.time(),
                          events=[dataclasses.asdict(e) for e in self.probe.events],
-                         calls=[dataclasses.asdict(c) for c in self.probe.calls])
+                         calls=[dataclasses.asdict(c) for c in self.probe.calls], plans=self.probe.plans)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
         os.replace(tmp, self.path)
+
+
+def rendezvous(rank: int, timeout_s: float):
+    """A TCP store every rank has reached, so that a short checkpoint deadline (the group's
+    timeout) does not also bound process start-up: 8 interpreters importing torch on 2
+    cores arrive seconds apart, and the group's timeout would otherwise cover the store
+    connection and gloo's own connect."""
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    store.add("ckptdoctor/arrived", 1)
+    deadline = time.monotonic() + timeout_s
+    while store.add("ckptdoctor/arrived", 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: not every rank reached the store within {timeout_s:.0f} s")
+        time.sleep(0.01)
+    return store
 
 
 def run(spec: WorkerSpec) -> int:
@@ -79,8 +98,13 @@ def run(spec: WorkerSpec) -> int:
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.checkpoint_deadline_s))
-    training_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=spec.training_timeout_s))
+    store = rendezvous(rank, spec.training_timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=spec.checkpoint_deadline_s))
+    # FSDP gets its own group (the HCCL half on NPU) unless the mesh has a context-parallel
+    # dimension, which Accelerate must build itself: then training shares the default group.
+    training_group = None if spec.config.cp_size > 1 else dist.new_group(
+        backend="gloo", timeout=datetime.timedelta(seconds=spec.training_timeout_s))
     report = RankReport(spec, rank, SaveProbe(rank).install(time_collectives=spec.time_collectives))
 
     def on_sigterm(signum, frame):  # the launcher tears the job down: keep the evidence
