@@ -35,18 +35,56 @@ def cmd_repro(args) -> int:
     from .stacks import current_stack
 
     current_stack()  # a clear error on anything but the pinned stacks
-    TrainingConfig(world_size=args.ranks, mode=args.mode)  # validates the layout before any process starts
+    TrainingConfig(world_size=args.ranks, mode=args.mode, cp_size=args.cp)  # validates the layout first
     if args.ranks < 2:
         raise CkptDoctorError(f"a reproduction needs at least 2 ranks (a coordinator and a peer that waits for it), "
                               f"got {args.ranks}")
     if args.layers < 1:
         raise CkptDoctorError(f"--layers must be at least 1, got {args.layers}")
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, video_layers=args.layers,
-                        output_dir=_writable_dir(args.out), deadline_s=args.deadline)
+                        output_dir=_writable_dir(args.out), deadline_s=args.deadline,
+                        offload_params=not args.no_offload, cp_size=args.cp)
+    if args.cp > 1 and args.deadline is None:
+        raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
     report = reproduce(opts, progress=lambda line: print(line, flush=True))
     print(format_report(report))
     _write_json(args.json, report)
     return 0 if report["reproduced"] else 1
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def cmd_simulate(args) -> int:
+    from .scaling import ScalingOptions, build_records, format_table, measure_all, plot
+    from .simulate import Layout
+
+    layouts = [Layout.parse(x) for x in args.layout.split(",")]
+    for n in args.ranks:
+        for layout in layouts:
+            layout.check(n)
+    stacks = ["user", "newest"] if args.stack == "both" else [args.stack]
+    if args.planner != "stock":
+        raise CkptDoctorError("--planner ours is not available yet (the fix is issue 4); use --planner stock")
+    opts = ScalingOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks,
+                          max_measured=args.max_measured)
+    print(f"simulating MOVA ({args.mode}) saves at N={','.join(map(str, opts.ranks))}, layouts "
+          f"{','.join(map(str, layouts))}, stacks {','.join(stacks)} (measured up to N={opts.max_measured}, "
+          f"validation up to N={opts.max_validated})", flush=True)
+    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True)))
+    print(format_table(records))
+    _write_json(args.json, records)
+    if args.plot:
+        plot(records, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,9 +104,28 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--layers", type=int, default=12, help="DiT blocks per video tower (default 12; real: 40)")
     repro.add_argument("--deadline", type=float, default=None,
                        help="gloo deadline in seconds (default: chosen from a calibration run)")
+    repro.add_argument("--no-offload", action="store_true", help="fsdp_offload_params false (the user runs with true)")
+    repro.add_argument("--cp", type=int, default=1,
+                       help="context-parallel size folded into the FSDP mesh (the user's file: 4); needs --deadline")
     repro.add_argument("--out", default="runs/repro", help="working directory for logs and checkpoints")
     repro.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
     repro.set_defaults(func=cmd_repro)
+
+    sim = sub.add_parser(
+        "simulate", help="rank 0's share of the save at N ranks, on torch's own planner code",
+        description="Builds every rank's local save plan for MOVA's real shapes with torch's DefaultSavePlanner "
+                    "(meta DTensors, fake process group, derived by symmetry from rank 0), then times rank 0's "
+                    "work as dcp.save does it. Large N are extrapolated from measured points and labelled so.")
+    sim.add_argument("--ranks", type=_int_list, default=[8, 64, 256, 1144, 2816], help="comma-separated N values")
+    sim.add_argument("--layout", default="fsdp,hsdp:8", help="fsdp and/or hsdp:S, comma-separated (default both)")
+    sim.add_argument("--mode", choices=("sft", "lora"), default="sft")
+    sim.add_argument("--planner", choices=("stock", "ours"), default="stock")
+    sim.add_argument("--stack", choices=("user", "newest", "both"), default="both")
+    sim.add_argument("--max-measured", type=int, default=64,
+                     help="materialise every plan up to this N; extrapolate beyond (default 64)")
+    sim.add_argument("--json", metavar="PATH", help="write the records here")
+    sim.add_argument("--plot", metavar="PNG", help="write a log-log plot of planning time against N")
+    sim.set_defaults(func=cmd_simulate)
     return parser
 
 

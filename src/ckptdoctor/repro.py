@@ -44,10 +44,13 @@ class ReproOptions:
     output_dir: Path = Path("runs/repro")
     deadline_s: float | None = None  # None: chosen from the calibration run
     fix: bool = False
+    offload_params: bool = True
+    cp_size: int = 1
     job_timeout_s: float = 1200.0
 
     def training_config(self) -> TrainingConfig:
-        return TrainingConfig(world_size=self.world_size, mode=self.mode)
+        return TrainingConfig(world_size=self.world_size, mode=self.mode, offload_params=self.offload_params,
+                              cp_size=self.cp_size)
 
     def shape(self) -> MovaShape:
         return MovaShape().with_layers(self.video_layers)
