@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--mode", choices=("sft", "lora"), default="sft")
     sim.add_argument("--planner", choices=("stock", "ours"), default="stock")
     sim.add_argument("--stack", choices=("user", "newest", "both"), default="both")
-    sim.add_argument("--max-measured", type=int, default=64,
-                     help="materialise every plan up to this N; extrapolate beyond (default 64)")
+    sim.add_argument("--max-measured", type=int, default=16,
+                     help="materialise every plan up to this N; extrapolate beyond (default 16)")
     sim.add_argument("--json", metavar="PATH", help="write the records here")
     sim.add_argument("--plot", metavar="PNG", help="write a log-log plot of planning time against N")
     sim.set_defaults(func=cmd_simulate)

@@ -12,6 +12,9 @@ Two probes, both read-only:
   `distributed_c10d` (`broadcast`, `scatter`, `gather`, `all_gather`): each of those is
   one wait with its own gloo deadline, which is what the reproduction must measure (an
   object collective also pickles and unpickles, which is work, not waiting).
+* with `time_collectives`, `DefaultSavePlanner.create_local_plan` (the planner Accelerate
+  passes to `dist_cp.save`) is wrapped too, to keep each rank's local plan: the simulator
+  is tested against these real plans item by item.
   This is the one monkeypatch in the project: pass-through wrappers, checked against the
   torch versions we pin (tests assert the calls are seen), undone by `uninstall()`.
 """
@@ -40,6 +43,7 @@ class SaveProbe(logging.Handler):
         self.rank = rank
         self.events: list[StepEvent] = []
         self.calls: list[CollectiveCall] = []
+        self.plans: list[dict] = []  # {"save": ..., "items": plan_signature(...)} per local plan
         self._originals: dict[tuple[object, str], object] = {}
 
     # -- DCP logger events --------------------------------------------------------------
@@ -80,7 +84,25 @@ class SaveProbe(logging.Handler):
                 for name in names:
                     original = self._originals[(module, name)] = getattr(module, name)
                     setattr(module, name, self._timed(prefix + name, original))
+            self._record_local_plans()
         return self
+
+    def _record_local_plans(self) -> None:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from .simulate import plan_signature
+
+        original = self._originals[(DefaultSavePlanner, "create_local_plan")] = DefaultSavePlanner.create_local_plan
+        probe = self
+
+        @functools.wraps(original)
+        def create_local_plan(planner):
+            plan = original(planner)
+            save = next((e.save for e in reversed(probe.events) if e.step == "local_step"), "?")
+            probe.plans.append({"save": save, "items": plan_signature(plan)})
+            return plan
+
+        DefaultSavePlanner.create_local_plan = create_local_plan
 
     def uninstall(self) -> None:
         _dcp_logger().removeHandler(self)

@@ -1,0 +1,236 @@
+"""`ckptdoctor simulate`: rank 0's share of the save at N ranks, measured or extrapolated.
+
+Drives simulate.py inside each stack's interpreter (.venv/<stack>/bin/python), so that
+torch 2.8.0 and the newest torch are compared in one run, and fits cost laws where a full
+measurement would take hours:
+
+* the per-item phases (unpickling, dedup, metadata, pickling, finish) are measured with
+  every rank's plan materialised up to `max_measured` ranks and extrapolated linearly in N
+  beyond (every rank sends the same number of items, so the work grows with N);
+* validation is measured on a sample (one tensor per distinct shape, weighted by count) up
+  to `max_validated` ranks and extrapolated beyond with the power law fitted on the last
+  two measured points (quadratic on torch 2.8.0).
+
+Every record says which of its phases were measured and which extrapolated, from where.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import subprocess
+from pathlib import Path
+
+from .errors import CkptDoctorError
+from .model import MovaShape
+from .simulate import Layout
+from .stacks import STACKS
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 1800.0
+FINISH_PREFIX = "finish: "
+
+
+@dataclasses.dataclass
+class ScalingOptions:
+    ranks: list[int]
+    layouts: list[Layout]
+    mode: str = "sft"
+    stacks: list[str] = dataclasses.field(default_factory=lambda: ["user", "newest"])
+    saves: tuple[str, ...] = ("model", "optimizer")
+    shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
+    max_measured: int = 16
+    max_validated: int = 1144
+    parallel: int = 2
+
+
+def stack_python(stack: str) -> str:
+    python = REPO / ".venv" / stack / "bin" / "python"
+    if stack not in STACKS:
+        raise CkptDoctorError(f"unknown stack {stack!r}; expected one of: {', '.join(STACKS)}")
+    if not python.exists():
+        raise CkptDoctorError(f"the '{stack}' stack is not set up; run scripts/setup.sh {stack}")
+    return str(python)
+
+
+def run_job(stack: str, job: dict) -> dict:
+    proc = subprocess.run([stack_python(stack), "-m", "ckptdoctor.simulate", json.dumps(job)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise CkptDoctorError(f"simulation job failed on the {stack} stack: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _jobs(opts: ScalingOptions):
+    """(key, stack, job) for every measurement the requested records need."""
+    shape = dataclasses.asdict(opts.shape)
+    measured = sorted({n for n in opts.ranks if n <= opts.max_measured} | {8, opts.max_measured})
+    validated = sorted({n for n in opts.ranks if n <= opts.max_validated}
+                       | {n for n in (256, 512, opts.max_validated) if n <= opts.max_validated})
+    for stack in opts.stacks:
+        for layout in opts.layouts:
+            for save in opts.saves:
+                base = {"shape": shape, "mode": opts.mode, "layout": str(layout), "save": save}
+                for n in measured:
+                    if layout.kind == "fsdp" or n % layout.shard == 0:
+                        yield ("coordinator", stack, str(layout), save, n), stack, base | {
+                            "kind": "coordinator", "ranks": n, "validation_sample": 1}
+                for n in validated:
+                    if layout.kind == "fsdp" or n % layout.shard == 0:
+                        yield ("validation", stack, str(layout), save, n), stack, base | {"kind": "validation", "ranks": n}
+
+
+def measure_all(opts: ScalingOptions, progress=print) -> dict:
+    jobs = list(_jobs(opts))
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=opts.parallel) as pool:
+        futures = {pool.submit(run_job, stack, job): key for key, stack, job in jobs}
+        for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
+            key = futures[future]
+            results[key] = future.result()
+            progress(f"  [{done}/{len(jobs)}] {key[1]} {key[2]} {key[3]} save, {key[0]} at N={key[4]}")
+    return results
+
+
+def _validation_s(per_class) -> float:
+    return sum(count * seconds for _, count, seconds in per_class)
+
+
+def _extrapolate_linear(points: dict[int, float], n: int) -> float:
+    """Straight line through the smallest and largest measured N."""
+    (n0, y0), (n1, y1) = min(points.items()), max(points.items())
+    slope = (y1 - y0) / (n1 - n0)
+    return max(y1 + slope * (n - n1), 0.0)
+
+
+def log_log_slope(xs, ys) -> float:
+    """Least-squares slope of log y against log x: the exponent of a power law."""
+    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
+
+
+def _extrapolate_power(points: dict[int, float], n: int) -> tuple[float, float]:
+    """Power law through the last two measured N; returns (value, exponent)."""
+    (n0, y0), (n1, y1) = sorted(points.items())[-2:]
+    exponent = log_log_slope([n0, n1], [max(y0, 1e-9), max(y1, 1e-9)])
+    return y1 * (n / n1) ** exponent, exponent
+
+
+def build_records(opts: ScalingOptions, results: dict) -> list[dict]:
+    records = []
+    for stack in opts.stacks:
+        for layout in opts.layouts:
+            for save in opts.saves:
+                records += [_record(opts, results, stack, layout, save, n) for n in opts.ranks
+                            if layout.kind == "fsdp" or n % layout.shard == 0]
+    return records
+
+
+def _record(opts, results, stack, layout, save, n) -> dict:
+    key = lambda kind, r: (kind, stack, str(layout), save, r)  # noqa: E731
+    coord = {r: results[key("coordinator", r)] for r in _measured_ns(results, stack, layout, save, "coordinator")}
+    valid = {r: _validation_s(results[key("validation", r)]["per_class"])
+             for r in _measured_ns(results, stack, layout, save, "validation")}
+    torch_version = next(iter(coord.values()))["torch"]
+    basis, phase_s = {}, {}
+    if n in coord:
+        m = coord[n]
+        phase_s = {k: v for k, v in m["phase_s"].items() if k != "validate"}
+        basis.update({k: "measured" for k in phase_s})
+        items, to0, from0, mem = m["items_gathered"], m["bytes_to_rank0"], m["bytes_from_rank0"], m["peak_mem_bytes"]
+    else:
+        fit = f"extrapolated (linear fit from N={','.join(map(str, (min(coord), max(coord))))})"
+        for phase in coord[max(coord)]["phase_s"]:
+            if phase != "validate":
+                phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
+                basis[phase] = fit
+        per_rank_items = coord[max(coord)]["items_gathered"] / max(coord)
+        items = round(per_rank_items * n)
+        to0 = _extrapolate_linear({r: c["bytes_to_rank0"] for r, c in coord.items()}, n)
+        from0 = _extrapolate_linear({r: c["bytes_from_rank0"] for r, c in coord.items()}, n)
+        mem = _extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n)
+    if n in valid:
+        phase_s["validate"] = valid[n]
+        basis["validate"] = "measured on a sample (one tensor per shape, scaled by count)"
+    else:
+        phase_s["validate"], exponent = _extrapolate_power(valid, n)
+        last_two = sorted(valid)[-2:]
+        basis["validate"] = f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
+    planning = {k: v for k, v in phase_s.items() if not k.startswith(FINISH_PREFIX)}
+    fit_from = sorted(set(coord) if n not in coord else set()) + ([] if n in valid else sorted(valid)[-2:])
+    return {
+        "stack": stack, "torch": torch_version, "planner": "stock", "layout": str(layout), "mode": opts.mode,
+        "save": save, "ranks": n, "items_gathered": int(items), "bytes_to_rank0": int(to0),
+        "bytes_from_rank0": int(from0), "phase_s": phase_s, "phase_basis": basis,
+        "coordinator_s": sum(planning.values()),
+        "finish_s": sum(v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)),
+        "peak_mem_bytes": int(mem), "measured": n in coord and n in valid, "fit_from": fit_from,
+    }
+
+
+def _measured_ns(results, stack, layout, save, kind) -> list[int]:
+    return sorted(k[4] for k in results if k[0] == kind and k[1] == stack and k[2] == str(layout) and k[3] == save)
+
+
+def format_table(records: list[dict]) -> str:
+    head = f"{'torch':>7} {'layout':>7} {'save':>9} {'N':>5}  {'rank-0 planning':>15} {'of which validate':>17} " \
+           f"{'to rank 0':>10} {'rank-0 mem':>10}  basis"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        plan = r["coordinator_s"]
+        flag = " > 30 min" if plan > DEADLINE_S else ""
+        lines.append(f"{r['torch']:>7} {r['layout']:>7} {r['save']:>9} {r['ranks']:>5}  {_fmt_s(plan):>15} "
+                     f"{_fmt_s(r['phase_s']['validate']):>17} {_fmt_b(r['bytes_to_rank0']):>10} "
+                     f"{_fmt_b(r['peak_mem_bytes']):>10}  {'measured' if r['measured'] else 'extrapolated'}{flag}")
+    return "\n".join(lines)
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.2f} s"
+
+
+def _fmt_b(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n:.0f} PB"
+
+
+def plot(records: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    series = {}
+    for r in records:
+        series.setdefault((r["torch"], r["planner"], r["layout"], r["save"]), []).append(r)
+    for (torch_v, planner, layout, save), rows in sorted(series.items()):
+        rows.sort(key=lambda r: r["ranks"])
+        xs, ys = [r["ranks"] for r in rows], [max(r["coordinator_s"], 1e-3) for r in rows]
+        line, = ax.plot(xs, ys, marker="", label=f"torch {torch_v} {planner}, {layout}, {save} save",
+                        linestyle="-" if save == "optimizer" else ":")
+        for r, y in zip(rows, ys):
+            ax.plot(r["ranks"], y, "o", color=line.get_color(), fillstyle="full" if r["measured"] else "none")
+    ax.axhline(DEADLINE_S, color="red", linestyle="--", linewidth=1)
+    ax.text(8, DEADLINE_S * 1.15, "gloo default deadline: 30 min", color="red", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (N)")
+    ax.set_ylabel("rank 0 planning time per save (s)")
+    ax.set_title("MOVA save: rank 0's plan work (filled: measured, hollow: extrapolated)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

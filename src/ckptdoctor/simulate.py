@@ -1,0 +1,395 @@
+"""Rank 0's share of a DCP save at N ranks, on torch's own planner code, in one process.
+
+Every rank's local plan comes from torch's `DefaultSavePlanner` run on a state dict of meta
+DTensors with MOVA's real shapes, built under torch's fake process group as rank 0 of N.
+Running the planner for each of N ranks would take hours, so the other ranks' plans are
+derived from rank 0's: a DTensor item differs between ranks only in its chunk, which
+torch's `_compute_local_shape_and_global_offset` gives for any mesh coordinate (the same
+function `create_local_plan` calls); plain tensors and bytes items are the same on every
+rank. `verify_derivation` checks that claim against real construction on sampled ranks.
+
+Then the coordinator's work runs as `dcp.save` runs it on rank 0: unpickle the gathered
+plans, dedup, build the metadata, merge the flatten mappings, validate, the storage
+writer's global step, pickle the scattered plans; and the finish step (unpickle the write
+results, fill in storage data, pickle the metadata). Each phase is timed separately.
+
+This module runs inside one stack's interpreter; `scaling.py` drives it across stacks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import io
+import math
+import pickle
+import resource
+import time
+from collections import ChainMap
+
+from .errors import BadLayout
+from .model import MOVA, MovaShape, inject_lora
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """"fsdp": shard over all N ranks; "hsdp:S": shard over S, replicate N/S times."""
+
+    kind: str
+    shard: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        if text == "fsdp":
+            return cls("fsdp")
+        if text.startswith("hsdp:") and text[5:].isdigit() and int(text[5:]) >= 1:
+            return cls("hsdp", int(text[5:]))
+        raise BadLayout(f"unknown layout {text!r}; expected 'fsdp' or 'hsdp:S' (S = shard group size, e.g. hsdp:8)")
+
+    def __str__(self) -> str:
+        return "fsdp" if self.kind == "fsdp" else f"hsdp:{self.shard}"
+
+    def check(self, ranks: int) -> None:
+        if ranks < 1:
+            raise BadLayout(f"the number of ranks must be at least 1, got {ranks}")
+        if self.kind == "hsdp" and ranks % self.shard:
+            raise BadLayout(f"{ranks} ranks are not divisible by the shard group of {self.shard} ({self})")
+
+    def mesh_shape(self, ranks: int) -> tuple[int, ...]:
+        return (ranks,) if self.kind == "fsdp" else (ranks // self.shard, self.shard)
+
+    def coordinate(self, rank: int, ranks: int) -> list[int]:
+        return [rank] if self.kind == "fsdp" else [rank // self.shard, rank % self.shard]
+
+    def placements(self):
+        from torch.distributed.tensor import Replicate, Shard
+
+        return (Shard(0),) if self.kind == "fsdp" else (Replicate(), Shard(0))
+
+
+# -- state dicts as Accelerate's save_fsdp_model / save_fsdp_optimizer pass them --------
+
+def parameter_specs(shape: MovaShape, mode: str) -> list[tuple[str, tuple[int, ...], bool, bool]]:
+    """(fqn, shape, sharded by FSDP, trainable) for every parameter of the model."""
+    import torch
+
+    with torch.device("meta"):
+        model = MOVA(shape)
+        ignored = list(model.frozen_modules())
+        if mode == "lora":
+            ignored += inject_lora(model)
+        else:
+            for module in model.frozen_modules():
+                module.requires_grad_(False)
+    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
+    return [(name, tuple(p.shape), id(p) not in ignored_ids, p.requires_grad) for name, p in model.named_parameters()]
+
+
+def adamw_param_group_template() -> dict:
+    """The non-`params` entries of an AdamW param group, from torch itself."""
+    import torch
+
+    group = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-4).state_dict()["param_groups"][0]
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def build_state_dict(save: str, specs, layout: Layout, mesh) -> dict:
+    """The state dict `dist_cp.save` receives, with meta DTensors for sharded tensors."""
+    import torch
+
+    def tensor(shape, sharded):
+        if not sharded:
+            return torch.empty(shape, device="meta")
+        return _meta_dtensor(shape, mesh, layout.placements())
+
+    if save == "model":  # accelerate/utils/fsdp_utils.py: dist_cp.save(state_dict={"model": state_dict})
+        return {"model": {name: tensor(shp, sharded) for name, shp, sharded, _ in specs}}
+    state = {name: {"step": torch.empty((), device="meta"), "exp_avg": tensor(shp, sharded),
+                    "exp_avg_sq": tensor(shp, sharded)}
+             for name, shp, sharded, trainable in specs if trainable}
+    group = adamw_param_group_template() | {"params": list(state)}
+    return {"optimizer": {"state": state, "param_groups": [group]}}
+
+
+def _meta_dtensor(shape, mesh, placements):
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(torch.empty(local_shape, device="meta"), mesh, placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+# -- the fake world ----------------------------------------------------------------------
+
+def init_fake_world(rank: int, ranks: int, layout: Layout):
+    """A fake process group (no communication) in which this process is `rank` of `ranks`."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
+    return init_device_mesh("cpu", layout.mesh_shape(ranks))
+
+
+def local_plan(state_dict: dict):
+    """Rank-local plan exactly as `dcp.save`'s local step makes it with stock planners."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, None, False)
+    return planner.create_local_plan(), planner
+
+
+def derive_plan(plan0, planner0, rank: int, ranks: int, layout: Layout):
+    """Rank `rank`'s local plan from rank 0's (see the module docstring)."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape, coordinate, placements = layout.mesh_shape(ranks), layout.coordinate(rank, ranks), layout.placements()
+    items = []
+    for item in plan0.items:
+        value = planner0.state_dict.get(item.index.fqn)
+        if item.type != WriteItemType.SHARD or not isinstance(value, DTensor):
+            items.append(item)
+            continue
+        sizes, offsets = _compute_local_shape_and_global_offset(value.shape, mesh_shape, coordinate, placements)
+        offsets, sizes = torch.Size(offsets), torch.Size(sizes)
+        items.append(WriteItem(index=MetadataIndex(item.index.fqn, offsets), type=item.type,
+                               tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                                           properties=item.tensor_data.properties,
+                                                           size=item.tensor_data.size)))
+    return dataclasses.replace(plan0, items=items)
+
+
+def plan_signature(plan) -> list[tuple]:
+    """What must agree between a derived and a constructed plan, item by item."""
+    out = []
+    for item in plan.items:
+        td = item.tensor_data
+        out.append((item.index.fqn, tuple(item.index.offset or ()), item.type.name,
+                    None if td is None else (tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size),
+                                             str(td.properties.dtype))))
+    return out
+
+
+def simulated_plans(save: str, specs, ranks: int, layout: Layout) -> list[list[tuple]]:
+    """Every rank's local plan signature, derived from rank 0's (small N: N plans in memory)."""
+    mesh = init_fake_world(0, ranks, layout)
+    plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
+    return [plan_signature(derive_plan(plan0, planner0, rank, ranks, layout)) for rank in range(ranks)]
+
+
+def verify_derivation(save: str, specs, ranks: int, layout: Layout, sample_ranks) -> list[int]:
+    """Build the real local plan as each sampled rank and compare with the derived one.
+
+    Returns the ranks checked; raises AssertionError naming the first mismatch.
+    """
+    mesh = init_fake_world(0, ranks, layout)
+    plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
+    for rank in sample_ranks:
+        mesh = init_fake_world(rank, ranks, layout)
+        real, _ = local_plan(build_state_dict(save, specs, layout, mesh))
+        derived = derive_plan(plan0, planner0, rank, ranks, layout)
+        a, b = plan_signature(real), plan_signature(derived)
+        if a != b:
+            first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y) if len(a) == len(b) else len(a)
+            raise AssertionError(f"rank {rank}: derived plan differs at item {first}: {a[first:first+1]} vs {b[first:first+1]}")
+    return list(sample_ranks)
+
+
+# -- the coordinator's work ----------------------------------------------------------------
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclasses.dataclass
+class CoordinatorMeasurement:
+    ranks: int
+    items_gathered: int
+    bytes_to_rank0: int
+    bytes_from_rank0: int
+    phase_s: dict[str, float]
+    peak_mem_bytes: int
+    validated_tensors: tuple[int, int]  # (validated, of) when validation ran on a sample
+
+    @property
+    def coordinator_s(self) -> float:
+        return sum(self.phase_s.values())
+
+
+class _Timer:
+    def __init__(self):
+        self.phase_s: dict[str, float] = {}
+
+    def __call__(self, name, func, *args):
+        start = time.perf_counter()
+        result = func(*args)
+        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
+        return result
+
+
+def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner_factory=None,
+                        validation_sample: int | None = None, progress=None) -> CoordinatorMeasurement:
+    """Rank 0's phases of one save at `ranks` ranks (all plans materialised: mind N)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+    planner_factory = planner_factory or DefaultSavePlanner
+    mesh = init_fake_world(0, ranks, layout)
+    plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
+    gc.collect()
+    baseline = _rss_bytes()
+    blobs = []  # what rank 0 receives in the gather: every rank's pickled local plan
+    for rank in range(ranks):
+        plan = plan0 if rank == 0 else derive_plan(plan0, planner0, rank, ranks, layout)
+        blobs.append(pickle.dumps(plan))
+        if progress and rank % 256 == 255:
+            progress(f"plans {rank + 1}/{ranks}")
+    del plan
+    timer = _Timer()
+    gc.disable()  # the collector's pauses would be measured as planning; torch runs with it on
+    try:
+        all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+        deduped = timer("dedup", planner_factory()._dedup_save_plans, all_plans)
+        global_plan, metadata = timer("build metadata", _default_metadata, deduped)
+        metadata = timer("merge mappings", _merge_mappings, global_plan, metadata)
+        validated = timer("validate", _validate, global_plan, metadata, validation_sample)
+        writer = FileSystemWriter("/nonexistent-ckptdoctor")
+        global_plan = timer("storage global step", writer.prepare_global_plan, global_plan)
+        scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
+        results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(global_plan)]
+        gathered_results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in results])
+        timer("finish: metadata", _finish_metadata, metadata, gathered_results)
+    finally:
+        gc.enable()
+    return CoordinatorMeasurement(
+        ranks=ranks, items_gathered=sum(len(p.items) for p in all_plans),
+        bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, results)),
+        bytes_from_rank0=ranks * max(map(len, scatter)),  # scatter_object_list pads every plan to the largest
+        phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=validated)
+
+
+def _default_metadata(plans):
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    return create_default_global_save_plan(plans)
+
+
+def _merge_mappings(global_plan, metadata):
+    merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
+    return dataclasses.replace(metadata, planner_data=merged)
+
+
+def _validate(global_plan, metadata, sample: int | None) -> tuple[int, int]:
+    """torch's `_validate_global_plan`, on every tensor or on an evenly spaced sample."""
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    keys = list(metadata.state_dict_metadata)
+    chosen = keys if sample is None or sample >= len(keys) else keys[:: max(1, len(keys) // sample)][:sample]
+    subset = Metadata({k: metadata.state_dict_metadata[k] for k in chosen})
+    ok = _validate_global_plan(global_plan, subset)
+    if not (ok is True or ok == []):
+        raise AssertionError(f"torch rejected the simulated global plan: {ok}")
+    return len(chosen), len(keys)
+
+
+def _write_results(plan, rank: int):
+    """The WriteResults rank `rank` would send back after writing (sizes nominal)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    path = f"__{rank}_0.distcp"
+    return [WriteResult(index=item.index, size_in_bytes=0, storage_data=_StorageInfo(path, 0, 0))
+            for item in plan.items]
+
+
+def _finish_metadata(metadata, gathered_results):
+    """What `FileSystemWriter.finish` does on rank 0: storage data, then the pickled file."""
+    storage = {r.index: r.storage_data for results in gathered_results for r in results}
+    metadata.storage_data = storage
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer)
+    return buffer.tell()
+
+
+# -- validation on a sample, at any N ----------------------------------------------------
+
+def shape_classes(save: str, specs) -> dict[tuple[int, ...], int]:
+    """Sharded tensor shapes of the save and how many tensors have each."""
+    classes: dict[tuple[int, ...], int] = {}
+    for _, shp, sharded, trainable in specs:
+        if sharded and (save == "model" or trainable):
+            classes[shp] = classes.get(shp, 0) + (1 if save == "model" else 2)  # exp_avg, exp_avg_sq
+    return classes
+
+
+def validation_seconds_per_tensor(shape: tuple[int, ...], ranks: int, layout: Layout, repeats: int = 1) -> float:
+    """torch's `_validate_global_plan` on one tensor of `shape` with the deduplicated chunks
+    of `ranks` ranks under `layout` (best of `repeats`)."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import _validate_global_plan
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, TensorProperties,
+                                                       TensorStorageMetadata)
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh_shape, placements = layout.mesh_shape(ranks), layout.placements()
+    chunks = {}
+    for rank in range(ranks if layout.kind == "fsdp" else layout.shard):  # hsdp: replicas dedup to one group
+        sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, layout.coordinate(rank, ranks), placements)
+        chunks[tuple(offsets)] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+    md = Metadata({"t": TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape),
+                                              chunks=list(chunks.values()))})
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _validate_global_plan([], md)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> int:
+    """Measurement entry point for scaling.py: one JSON job on stdin/argv, JSON out."""
+    import json
+    import sys
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    job = json.loads((argv or sys.argv[1:])[0])
+    shape = MovaShape(**job["shape"])
+    specs = parameter_specs(shape, job["mode"])
+    layout = Layout.parse(job["layout"])
+    if job["kind"] == "coordinator":
+        m = measure_coordinator(job["save"], specs, job["ranks"], layout, validation_sample=job.get("validation_sample"))
+        out = dataclasses.asdict(m)
+    elif job["kind"] == "validation":
+        classes = shape_classes(job["save"], specs)
+        out = {"per_class": [[list(shp), count, validation_seconds_per_tensor(shp, job["ranks"], layout)]
+                             for shp, count in classes.items()]}
+    elif job["kind"] == "plans":
+        out = {"plans": simulated_plans(job["save"], specs, job["ranks"], layout)}
+    elif job["kind"] == "verify":
+        out = {"ranks_checked": verify_derivation(job["save"], specs, job["ranks"], layout, job["sample_ranks"])}
+    else:
+        raise ValueError(f"unknown job kind {job['kind']!r}")
+    import torch
+
+    out["torch"] = torch.__version__.split("+")[0]
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

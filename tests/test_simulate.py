@@ -1,0 +1,101 @@
+"""The simulator in one process: derivation by symmetry, cost laws, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ckptdoctor.errors import BadLayout
+from ckptdoctor.model import MovaShape
+from ckptdoctor.scaling import _extrapolate_linear, _extrapolate_power
+from ckptdoctor.simulate import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
+
+SHAPE = MovaShape().with_layers(12)
+
+
+def run_simulate_job(job: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate", json.dumps(job)], capture_output=True,
+                         text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout,ranks,sample", [("fsdp", 64, [1, 17, 63]), ("hsdp:8", 64, [9, 30, 63])])
+@pytest.mark.parametrize("save", ["model", "optimizer"])
+def test_derived_plans_equal_constructed_ones_on_sampled_ranks(layout, ranks, sample, save):
+    job = {"kind": "verify", "shape": SHAPE.__dict__, "mode": "sft", "layout": layout, "save": save,
+           "ranks": ranks, "sample_ranks": sample}
+    assert run_simulate_job(job)["ranks_checked"] == sample
+
+
+def test_a_wrong_derivation_is_caught():
+    """verify_derivation must be able to fail: compare against a different layout's plans."""
+    from ckptdoctor import simulate
+
+    specs = parameter_specs(SHAPE, "sft")
+    original = simulate.derive_plan
+    try:
+        simulate.derive_plan = lambda plan0, planner0, rank, ranks, layout: plan0  # "every rank = rank 0"
+        with pytest.raises(AssertionError, match="rank 3: derived plan differs"):
+            simulate.verify_derivation("model", specs, 8, Layout.parse("fsdp"), [3])
+    finally:
+        simulate.derive_plan = original
+        _destroy()
+
+
+def _destroy():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def best_of(func, repeats=3):
+    return min(func() for _ in range(repeats))
+
+
+def test_quadratic_validation_law_predicts_an_unfitted_point_within_30_percent():
+    layout, shape = Layout.parse("fsdp"), (5120, 5120)
+    measured = {n: validation_seconds_per_tensor(shape, n, layout, repeats=3) for n in (128, 256, 512)}
+    predicted, exponent = _extrapolate_power({n: measured[n] for n in (128, 256)}, 512)
+    assert exponent > 0.8  # grows with N at all (2.8: ~2, newer torch: ~1)
+    assert abs(predicted - measured[512]) <= 0.3 * measured[512], (measured, predicted)
+
+
+def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
+    specs, layout = parameter_specs(SHAPE, "sft"), Layout.parse("fsdp")
+    try:
+        runs = {n: best_of(lambda: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
+                                                                         validation_sample=1).phase_s.items()
+                                       if k != "validate"))
+                for n in (8, 16, 32)}
+    finally:
+        _destroy()
+    predicted = _extrapolate_linear({8: runs[8], 16: runs[16]}, 32)
+    assert abs(predicted - runs[32]) <= 0.3 * runs[32], (runs, predicted)
+
+
+@pytest.mark.parametrize("text", ["ddp", "hsdp:", "hsdp:0", "hsdp:x", "fsdp:8"])
+def test_unknown_layouts_are_rejected(text):
+    with pytest.raises(BadLayout, match="unknown layout"):
+        Layout.parse(text)
+
+
+def test_rank_counts_that_cannot_hold_the_layout_are_rejected():
+    with pytest.raises(BadLayout, match="1144 ranks are not divisible by the shard group of 48"):
+        Layout.parse("hsdp:48").check(1144)
+    with pytest.raises(BadLayout, match="at least 1"):
+        Layout.parse("fsdp").check(0)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layout", "tp:2"], "unknown layout 'tp:2'"),
+    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
+    (["--ranks", "0"], "at least 1"),
+    (["--ranks", "8,x"], "comma-separated integers"),
+])
+def test_simulate_cli_bad_input_is_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "simulate", *args], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
