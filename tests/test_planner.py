@@ -1,0 +1,152 @@
+"""ScalableSavePlanner: same checkpoint as stock, each item written once, stock-loadable, reshardable."""
+
+import collections
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import _validate_global_plan
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from ckptdoctor.launcher import launch
+from ckptdoctor.planner import assign_owners, owned_items, validate_chunks
+
+JOB = Path(__file__).parent / "jobs" / "planner_job.py"
+
+
+# -- validation: the same verdict as torch's, in linear time -----------------------------
+
+def metadata_of(size, chunks) -> Metadata:
+    return Metadata({"t": TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size(size),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])})
+
+
+@st.composite
+def tensors_and_chunks(draw):
+    """A tensor size and chunks that are usually a valid grid split, sometimes perturbed."""
+    size = draw(st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    cuts = [sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else [] for n in size]
+    cells = [[(a, b - a) for a, b in zip([0] + c, c + [n])] for c, n in zip(cuts, size)]
+    chunks = [((), ())]
+    for dim_cells in cells:
+        chunks = [(o + (a,), s + (b,)) for o, s in chunks for a, b in dim_cells]
+    chunks = [(list(o), list(s)) for o, s in chunks]
+    for _ in range(draw(st.integers(0, 2))):  # perturb: move, resize, duplicate or drop a chunk
+        i, d = draw(st.integers(0, len(chunks) - 1)), draw(st.integers(0, len(size) - 1))
+        action = draw(st.sampled_from(["offset", "size", "dup", "drop"]))
+        if action == "offset":
+            chunks[i][0][d] += draw(st.integers(-2, 2))
+        elif action == "size":
+            chunks[i][1][d] += draw(st.integers(-2, 2))
+        elif action == "dup":
+            chunks.append(([*chunks[i][0]], [*chunks[i][1]]))
+        elif len(chunks) > 1:
+            chunks.pop(i)
+    if draw(st.booleans()):  # empty chunks, as FSDP makes for dims smaller than the shard group
+        chunks.append(([0] * len(size), [0] * len(size)))
+    return size, [(tuple(o), tuple(s)) for o, s in chunks]
+
+
+@settings(max_examples=400, deadline=None)
+@given(tensors_and_chunks())
+def test_linear_validation_agrees_with_torch(case):
+    size, chunks = case
+    if any(s < 0 for _, sizes in chunks for s in sizes):
+        return  # torch.Size rejects negative sizes before any planner sees them
+    md = metadata_of(size, chunks)
+    verdict = _validate_global_plan([SavePlan([]), SavePlan([])], md)  # 2.8: bool; newer: list of errors;
+    torch_says_valid = verdict is True or verdict == []                 # newer checks coverage with > 1 plan
+    assert (validate_chunks(md) == []) == torch_says_valid
+
+
+def test_validation_names_the_problem():
+    md = metadata_of((4, 4), [((0, 0), (2, 4)), ((2, 0), (3, 4))])
+    assert validate_chunks(md) == ["t: chunk (2, 0)+(3, 4) out of bounds of (4, 4)", "t: chunks cover 20 elements of 16"]
+    md = metadata_of((4,), [((0,), (2,)), ((1,), (2,)), ((3,), (0,))])
+    assert validate_chunks(md) == ["t: overlapping chunks"]
+
+
+# -- ownership: every replicated item has exactly one owner ------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(min_size=1, max_size=5), st.integers(0, 10**6), max_size=40), st.integers(1, 50))
+def test_every_replicated_item_has_exactly_one_owner_and_loads_are_balanced(sizes, world):
+    items = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in sizes]
+    per_rank = [owned_items(items, lambda fqn: None, rank, world) for rank in range(world)]
+    written = collections.Counter(item.index.fqn for kept in per_rank for item in kept)
+    assert written == collections.Counter(sizes.keys())  # nobody drops an item, nobody doubles it
+    owners = assign_owners(sizes.items(), world)
+    loads = collections.Counter()
+    for key, owner in owners.items():
+        loads[owner] += sizes[key]
+    if sizes and world > 1:  # greedy largest-first: no rank above the mean by more than the largest item
+        assert max(loads.values()) <= sum(sizes.values()) / min(world, len(sizes)) + max(sizes.values())
+
+
+# -- real gloo jobs: save, compare with stock, load at other world sizes -----------------
+
+def run(tmp_path: Path, world: int, *args, env=None) -> list[dict]:
+    result = launch([str(JOB), *map(str, args)], world, tmp_path / f"{args[0]}-{world}.log", timeout_s=300, env=env)
+    assert result.returncodes == [0] * world, (tmp_path / f"{args[0]}-{world}.log").read_text()[-3000:]
+    return [json.loads(Path(f"{args[1]}.{args[0]}.rank{r}.json").read_text()) for r in range(world)]
+
+
+def described(path: Path) -> dict:
+    """What the metadata says was saved: per key, the size and dtype and the set of chunks."""
+    md = FileSystemReader(str(path)).read_metadata()
+    out = {}
+    for key, value in md.state_dict_metadata.items():
+        if isinstance(value, BytesStorageMetadata):
+            out[key] = "bytes"
+        else:
+            out[key] = (tuple(value.size), str(value.properties.dtype),
+                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
+    return out
+
+
+def writers(path: Path) -> dict[str, list[str]]:
+    """Per item (key@offsets), the files that hold it, from the metadata's storage index."""
+    md = FileSystemReader(str(path)).read_metadata()
+    held = collections.defaultdict(list)
+    for index, info in md.storage_data.items():
+        held[f"{index.fqn}@{tuple(index.offset) if index.offset is not None else ()}"].append(info.relative_path)
+    return held
+
+
+@pytest.mark.slow
+def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(tmp_path):
+    ours, stock, resaved = tmp_path / "ours", tmp_path / "stock", tmp_path / "resaved"
+    saved = run(tmp_path, 8, "save", ours, "ours")
+    run(tmp_path, 8, "save", stock, "stock")
+    assert all(r["replicas_agree"] for r in saved)
+    assert described(ours) == described(stock)
+    held = writers(ours)
+    md = FileSystemReader(str(ours)).read_metadata()
+    chunks = sum(1 if isinstance(v, BytesStorageMetadata) else len(v.chunks) for v in md.state_dict_metadata.values())
+    assert len(held) == chunks and all(len(files) == 1 for files in held.values())  # every item exactly once
+    assert sum(r["items_written"] for r in saved) == chunks  # and no rank wrote an item twice
+    plain_writers = {files[0] for key, files in held.items() if key.startswith(("plain.", "param_groups."))}
+    assert len(plain_writers) > 1, "replicated items should be spread over ranks, not all on rank 0"
+    loaded4 = run(tmp_path, 4, "load-save", ours, resaved)  # 8 -> 4 with stock dcp.load, saved again at 4
+    assert all(r["mismatches"] == [] for r in loaded4)
+    loaded8 = run(tmp_path, 8, "load", resaved)  # 4 -> 8
+    assert all(r["mismatches"] == [] for r in loaded8)
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_replicated_keys_fall_back_to_stock_dedup(tmp_path):
+    ours = tmp_path / "ours"
+    saved = run(tmp_path, 4, "save", ours, "ours", env={"EXTRA_KEY_ON_RANK": "1"})
+    assert [r["replicas_agree"] for r in saved] == [False] * 4
+    md = described(ours)
+    assert "plain.only_here" in md  # the key only rank 1 holds is saved, not dropped
+    assert all(len(files) == 1 for files in writers(ours).values())
+    loaded = run(tmp_path, 2, "load", ours)
+    assert all(r["mismatches"] == [] for r in loaded)
