@@ -71,10 +71,9 @@ def cmd_simulate(args) -> int:
         for layout in layouts:
             layout.check(n)
     stacks = ["user", "newest"] if args.stack == "both" else [args.stack]
-    if args.planner != "stock":
-        raise CkptDoctorError("--planner ours is not available yet (the fix is issue 4); use --planner stock")
+    planners = ("stock", "ours") if args.planner == "both" else (args.planner,)
     opts = ScalingOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks,
-                          max_measured=args.max_measured)
+                          planners=planners, max_measured=args.max_measured)
     print(f"simulating MOVA ({args.mode}) saves at N={','.join(map(str, opts.ranks))}, layouts "
           f"{','.join(map(str, layouts))}, stacks {','.join(stacks)} (measured up to N={opts.max_measured}, "
           f"validation up to N={opts.max_validated})", flush=True)
@@ -85,6 +84,15 @@ def cmd_simulate(args) -> int:
         plot(records, args.plot)
         print(f"plot: {args.plot}")
     return 0
+
+
+def cmd_diagnose(args) -> int:
+    from .diagnose import diagnose, format_report
+
+    report = diagnose(args.logs, ranks_per_node=args.ranks_per_node)
+    print(format_report(report))
+    _write_json(args.json, report)
+    return 0 if report["known"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,13 +127,24 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--ranks", type=_int_list, default=[8, 64, 256, 1144, 2816], help="comma-separated N values")
     sim.add_argument("--layout", default="fsdp,hsdp:8", help="fsdp and/or hsdp:S, comma-separated (default both)")
     sim.add_argument("--mode", choices=("sft", "lora"), default="sft")
-    sim.add_argument("--planner", choices=("stock", "ours"), default="stock")
+    sim.add_argument("--planner", choices=("stock", "ours", "both"), default="both",
+                     help="stock DefaultSavePlanner, ckptdoctor's ScalableSavePlanner, or both (default)")
     sim.add_argument("--stack", choices=("user", "newest", "both"), default="both")
     sim.add_argument("--max-measured", type=int, default=16,
                      help="materialise every plan up to this N; extrapolate beyond (default 16)")
     sim.add_argument("--json", metavar="PATH", help="write the records here")
     sim.add_argument("--plot", metavar="PNG", help="write a log-log plot of planning time against N")
     sim.set_defaults(func=cmd_simulate)
+
+    diag = sub.add_parser(
+        "diagnose", help="explain a failed save/load from torchrun or Accelerate logs",
+        description="Streams the logs (plain or gzip, any size; [rankN]: prefixes interleaved, multi-line or "
+                    "collapsed onto one line) and reports the failing operation, phase and wait, who reported it, "
+                    "whom they waited for, the timeout, the versions the frames imply, and the likely causes.")
+    diag.add_argument("logs", nargs="+", metavar="LOG")
+    diag.add_argument("--ranks-per-node", type=int, default=8, help="to name nodes from ranks (default 8)")
+    diag.add_argument("--json", metavar="PATH", help="write the machine-readable diagnosis here")
+    diag.set_defaults(func=cmd_diagnose)
     return parser
 
 

@@ -1,0 +1,163 @@
+"""`ckptdoctor diagnose` on the user's report and on logs shaped like the failures it must tell apart."""
+
+import gzip
+import json
+import subprocess
+import sys
+import tracemalloc
+
+import pytest
+
+from ckptdoctor.diagnose import diagnose, segments
+
+SP = "/usr/local/lib/python3.11/site-packages"
+SAVE_OPTIM_28 = [
+    ("/job/train.py", 160, "<module>"), ("/job/train.py", 156, "main"),
+    (f"{SP}/accelerate/accelerator.py", 3662, "save_state"),
+    (f"{SP}/accelerate/utils/fsdp_utils.py", 273, "save_fsdp_optimizer"),
+    (f"{SP}/torch/distributed/checkpoint/logger.py", 87, "wrapper"),
+    (f"{SP}/torch/distributed/checkpoint/utils.py", 475, "inner_func"),
+    (f"{SP}/torch/distributed/checkpoint/state_dict_saver.py", 176, "save"),
+    (f"{SP}/torch/distributed/checkpoint/state_dict_saver.py", 362, "_save_state_dict"),
+    (f"{SP}/torch/distributed/checkpoint/utils.py", 217, "reduce_scatter"),
+    (f"{SP}/torch/distributed/checkpoint/utils.py", 162, "scatter_object"),
+    (f"{SP}/torch/distributed/distributed_c10d.py", 3762, "scatter_object_list"),
+    (f"{SP}/torch/distributed/distributed_c10d.py", 2830, "broadcast"),
+]
+LOAD_MODEL = [
+    ("/job/train.py", 10, "main"), (f"{SP}/accelerate/accelerator.py", 3791, "load_state"),
+    (f"{SP}/accelerate/utils/fsdp_utils.py", 221, "load_fsdp_model"),
+    (f"{SP}/torch/distributed/checkpoint/state_dict_loader.py", 1, "load"),
+    (f"{SP}/torch/distributed/checkpoint/state_dict_loader.py", 2, "_load_state_dict"),
+    (f"{SP}/torch/distributed/checkpoint/utils.py", 3, "reduce_scatter"),
+    (f"{SP}/torch/distributed/checkpoint/utils.py", 4, "gather_object"),
+    (f"{SP}/torch/distributed/distributed_c10d.py", 5, "gather_object"),
+    (f"{SP}/torch/distributed/distributed_c10d.py", 6, "gather"),
+]
+FINISH = SAVE_OPTIM_28[:8] + [(f"{SP}/torch/distributed/checkpoint/utils.py", 1, "all_reduce"),
+                              (f"{SP}/torch/distributed/checkpoint/utils.py", 2, "gather_object"),
+                              (f"{SP}/torch/distributed/distributed_c10d.py", 3, "gather")]
+GLOO = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] " \
+       "Timed out waiting {ms}ms for recv operation to complete"
+
+
+def traceback_lines(rank, frames, error):
+    lines = [f"[rank{rank}]: Traceback (most recent call last):"]
+    for file, line, func in frames:
+        lines += [f'[rank{rank}]:   File "{file}", line {line}, in {func}', f"[rank{rank}]:     code()"]
+    return lines + [f"[rank{rank}]: {error}"]
+
+
+def interleave(*blocks):
+    out = []
+    for rows in zip(*blocks):
+        out += rows
+    return out
+
+
+def write(tmp_path, name, lines, collapse=False, gz=False):
+    text = (" ".join(lines) if collapse else "\n".join(lines)) + "\n"
+    path = tmp_path / name
+    if gz:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+def test_the_users_report(user_report_text, tmp_path):
+    report = diagnose([write(tmp_path, "report.txt", [user_report_text])])
+    assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
+        ("save", "optimizer", "plan-scatter", "broadcast")
+    assert report["ranks"] == [1136, 1139] and report["nodes"] == [142]
+    assert report["waiting_on"] == [0]
+    assert report["timeout_ms"] == 1_800_000
+    assert (report["torch"], report["accelerate"]) == ("2.8.0", "1.13.0")
+    assert report["causes"][0]["cause"].startswith("rank 0 (the DCP coordinator) was still planning")
+
+
+@pytest.mark.parametrize("collapse,gz", [(False, False), (True, False), (False, True)])
+def test_interleaved_collapsed_or_gzip_logs_read_the_same(tmp_path, collapse, gz):
+    blocks = [traceback_lines(r, SAVE_OPTIM_28, GLOO.format(ms=600000)) for r in (9, 10, 17)]
+    path = write(tmp_path, "log", ["训练开始 step 200"] + interleave(*blocks) + ["保存失败"], collapse, gz)
+    report = diagnose([path])
+    assert report["ranks"] == [9, 10, 17] and report["nodes"] == [1, 2]
+    assert (report["target"], report["phase"], report["timeout_ms"]) == ("optimizer", "plan-scatter", 600000)
+
+
+@pytest.mark.parametrize("frames,operation,target,phase,waiting", [
+    (LOAD_MODEL, "load", "model", "plan-gather", "gather"),
+    (FINISH, "save", "optimizer", "finish-gather", "gather"),
+])
+def test_load_and_finish_timeouts(tmp_path, frames, operation, target, phase, waiting):
+    report = diagnose([write(tmp_path, "log", traceback_lines(3, frames, GLOO.format(ms=1800000)))])
+    assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
+        (operation, target, phase, waiting)
+    assert report["waiting_on"] == [0]
+
+
+def test_a_rank_that_died_closes_the_peers_connections(tmp_path):
+    error = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:2"
+    log = interleave(*[traceback_lines(r, SAVE_OPTIM_28, error) for r in (1, 2)])
+    report = diagnose([write(tmp_path, "log", log)])
+    assert report["error_kind"] == "peer-closed" and report["ranks"] == [1, 2]
+    assert report["causes"][0]["cause"].startswith("another rank died")
+
+
+def test_nccl_or_hccl_watchdog(tmp_path):
+    line = ("[rank5]:[E1203 10:00:00 ProcessGroupNCCL.cpp:632] [Rank 5] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=88, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+    report = diagnose([write(tmp_path, "log", [line])])
+    assert report["error_kind"] == "collective-watchdog" and report["timeout_ms"] == 600000 and report["ranks"] == [5]
+
+
+def test_oom_kill(tmp_path):
+    lines = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+             "[rank0]: Root Cause (first observed failure):", "[rank0]:   exitcode  : -9 (pid: 4242)",
+             "[rank0]:   error_file: <N/A>", "[rank0]:   traceback : Signal 9 (SIGKILL) received by PID 4242"]
+    report = diagnose([write(tmp_path, "log", lines)])
+    assert report["error_kind"] == "oom" and report["ranks"] == [0]
+
+
+def test_an_unknown_pattern_says_so_and_shows_its_frames(tmp_path):
+    lines = traceback_lines(2, SAVE_OPTIM_28[:3], "ValueError: something else entirely")
+    report = diagnose([write(tmp_path, "log", lines)])
+    assert report["known"] is False
+    assert [f.split(" in ")[-1] for f in report["frames"]] == ["<module>", "main", "save_state"]
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "log")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 1 and "unknown failure pattern" in proc.stdout and "save_state" in proc.stdout
+
+
+def test_a_large_gzip_log_is_streamed(tmp_path):
+    path = tmp_path / "big.log.gz"
+    noise = "[rank{}]: step 100 loss 0.1234 lr 1e-4 " + "x" * 200 + "\n"
+    with gzip.open(path, "wt") as f:
+        for i in range(200_000):  # ~50 MB uncompressed
+            f.write(noise.format(i % 1144))
+        f.write("\n".join(traceback_lines(7, SAVE_OPTIM_28, GLOO.format(ms=1800000))) + "\n")
+    tracemalloc.start()
+    report = diagnose([path])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert report["ranks"] == [7] and report["phase"] == "plan-scatter"
+    assert peak < 20_000_000, f"diagnose held {peak} bytes: it must stream"
+
+
+def test_segments_split_at_every_rank_marker():
+    assert list(segments(["pre [rank1]: a [rank22]: b\n"])) == [(None, "pre "), (1, " a "), (22, " b\n")]
+
+
+def test_cli_json_and_missing_file(tmp_path, user_report_text):
+    log = write(tmp_path, "r.txt", [user_report_text])
+    out = tmp_path / "d.json"
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(log), "--json", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert {"operation", "target", "phase", "waiting_call", "ranks", "waiting_on", "timeout_ms", "torch",
+            "accelerate", "causes"} <= set(data)
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "nope.log")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "no such log file" in proc.stderr and "Traceback" not in proc.stderr
