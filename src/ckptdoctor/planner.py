@@ -249,6 +249,10 @@ def _overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
     boxes = [(o, s) for o, s in chunks if all(s)]
     if len(boxes) < 2:
         return False
+    split = _single_split_dim(boxes)
+    if split is not None:  # FSDP/HSDP: chunks are slabs along one dimension; sort and compare neighbours
+        spans = sorted((o[split], o[split] + s[split]) for o, s in boxes)
+        return any(start < previous_end for (_, previous_end), (start, _) in zip(spans, spans[1:]))
     edges = [sorted({o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(len(boxes[0][0]))]
     cells = math.prod(len(e) - 1 for e in edges)
     if cells > MAX_GRID_CELLS_PER_CHUNK * len(boxes):
@@ -259,6 +263,13 @@ def _overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
                       for e, o, s in zip(edges, offsets, sizes))
         grid[index] += 1
     return bool((grid > 1).any())
+
+
+def _single_split_dim(boxes) -> int | None:
+    """The one dimension the chunks differ in, if all agree on every other (offset and size)."""
+    first_offsets, first_sizes = boxes[0]
+    differing = {d for o, s in boxes for d in range(len(o)) if o[d] != first_offsets[d] or s[d] != first_sizes[d]}
+    return differing.pop() if len(differing) == 1 else (0 if not differing else None)
 
 
 def _overlap_pairwise(boxes) -> bool:

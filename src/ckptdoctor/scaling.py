@@ -7,7 +7,9 @@ measurement would take hours:
 * the per-item phases (unpickling, dedup, metadata, pickling, finish) are measured with
   every rank's plan materialised up to `max_measured` ranks and extrapolated linearly in N
   beyond (every rank sends the same number of items, so the work grows with N);
-* validation is measured on a sample (one tensor per distinct shape, weighted by count) up
+* with `planner="ours"` (ScalableSavePlanner) every phase, validation included, is linear in
+  the chunks and comes from the same materialised measurement;
+* stock validation is measured on a sample (one tensor per distinct shape, weighted by count) up
   to `max_validated` ranks and extrapolated beyond with the power law fitted on the last
   two measured points (quadratic on torch 2.8.0).
 
@@ -41,6 +43,7 @@ class ScalingOptions:
     mode: str = "sft"
     stacks: list[str] = dataclasses.field(default_factory=lambda: ["user", "newest"])
     saves: tuple[str, ...] = ("model", "optimizer")
+    planners: tuple[str, ...] = ("stock", "ours")
     shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
     max_measured: int = 16
     max_validated: int = 1144
@@ -74,13 +77,15 @@ def _jobs(opts: ScalingOptions):
         for layout in opts.layouts:
             for save in opts.saves:
                 base = {"shape": shape, "mode": opts.mode, "layout": str(layout), "save": save}
-                for n in measured:
+                for planner in opts.planners:
+                    for n in measured:
+                        if layout.kind == "fsdp" or n % layout.shard == 0:
+                            yield ("coordinator", stack, str(layout), save, n, planner), stack, base | {
+                                "kind": "coordinator", "ranks": n, "validation_sample": 1, "planner": planner}
+                for n in validated if "stock" in opts.planners else ():
                     if layout.kind == "fsdp" or n % layout.shard == 0:
-                        yield ("coordinator", stack, str(layout), save, n), stack, base | {
-                            "kind": "coordinator", "ranks": n, "validation_sample": 1}
-                for n in validated:
-                    if layout.kind == "fsdp" or n % layout.shard == 0:
-                        yield ("validation", stack, str(layout), save, n), stack, base | {"kind": "validation", "ranks": n}
+                        yield ("validation", stack, str(layout), save, n, "stock"), stack, base | {
+                            "kind": "validation", "ranks": n}
 
 
 def measure_all(opts: ScalingOptions, progress=print) -> dict:
@@ -91,7 +96,7 @@ def measure_all(opts: ScalingOptions, progress=print) -> dict:
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             key = futures[future]
             results[key] = future.result()
-            progress(f"  [{done}/{len(jobs)}] {key[1]} {key[2]} {key[3]} save, {key[0]} at N={key[4]}")
+            progress(f"  [{done}/{len(jobs)}] {key[1]} {key[5]} {key[2]} {key[3]} save, {key[0]} at N={key[4]}")
     return results
 
 
@@ -125,27 +130,32 @@ def build_records(opts: ScalingOptions, results: dict) -> list[dict]:
     for stack in opts.stacks:
         for layout in opts.layouts:
             for save in opts.saves:
-                records += [_record(opts, results, stack, layout, save, n) for n in opts.ranks
-                            if layout.kind == "fsdp" or n % layout.shard == 0]
+                for planner in opts.planners:
+                    records += [_record(opts, results, stack, layout, save, n, planner) for n in opts.ranks
+                                if layout.kind == "fsdp" or n % layout.shard == 0]
     return records
 
 
-def _record(opts, results, stack, layout, save, n) -> dict:
-    key = lambda kind, r: (kind, stack, str(layout), save, r)  # noqa: E731
-    coord = {r: results[key("coordinator", r)] for r in _measured_ns(results, stack, layout, save, "coordinator")}
-    valid = {r: _validation_s(results[key("validation", r)]["per_class"])
-             for r in _measured_ns(results, stack, layout, save, "validation")}
+def _record(opts, results, stack, layout, save, n, planner) -> dict:
+    key = lambda kind, r, p=planner: (kind, stack, str(layout), save, r, p)  # noqa: E731
+    coord = {r: results[key("coordinator", r)] for r in _measured_ns(results, stack, layout, save, "coordinator", planner)}
+    sampled = planner == "stock"  # stock validation: sampled in its own jobs; ours: linear, measured in full
+    if not sampled:
+        valid = {}
+    else:
+        valid = {r: _validation_s(results[key("validation", r)]["per_class"])
+                 for r in _measured_ns(results, stack, layout, save, "validation", planner)}
     torch_version = next(iter(coord.values()))["torch"]
     basis, phase_s = {}, {}
     if n in coord:
         m = coord[n]
-        phase_s = {k: v for k, v in m["phase_s"].items() if k != "validate"}
+        phase_s = {k: v for k, v in m["phase_s"].items() if k != "validate" or not sampled}
         basis.update({k: "measured" for k in phase_s})
         items, to0, from0, mem = m["items_gathered"], m["bytes_to_rank0"], m["bytes_from_rank0"], m["peak_mem_bytes"]
     else:
         fit = f"extrapolated (linear fit from N={','.join(map(str, (min(coord), max(coord))))})"
         for phase in coord[max(coord)]["phase_s"]:
-            if phase != "validate":
+            if phase != "validate" or not sampled:
                 phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
                 basis[phase] = fit
         per_rank_items = coord[max(coord)]["items_gathered"] / max(coord)
@@ -153,37 +163,39 @@ def _record(opts, results, stack, layout, save, n) -> dict:
         to0 = _extrapolate_linear({r: c["bytes_to_rank0"] for r, c in coord.items()}, n)
         from0 = _extrapolate_linear({r: c["bytes_from_rank0"] for r, c in coord.items()}, n)
         mem = _extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n)
-    if n in valid:
+    if sampled and n in valid:
         phase_s["validate"] = valid[n]
         basis["validate"] = "measured on a sample (one tensor per shape, scaled by count)"
-    else:
+    elif sampled:
         phase_s["validate"], exponent = _extrapolate_power(valid, n)
         last_two = sorted(valid)[-2:]
         basis["validate"] = f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
     planning = {k: v for k, v in phase_s.items() if not k.startswith(FINISH_PREFIX)}
-    fit_from = sorted(set(coord) if n not in coord else set()) + ([] if n in valid else sorted(valid)[-2:])
+    fit_from = sorted(set(coord) if n not in coord else set()) + ([] if n in valid or not valid else sorted(valid)[-2:])
     return {
-        "stack": stack, "torch": torch_version, "planner": "stock", "layout": str(layout), "mode": opts.mode,
+        "stack": stack, "torch": torch_version, "planner": planner, "layout": str(layout), "mode": opts.mode,
         "save": save, "ranks": n, "items_gathered": int(items), "bytes_to_rank0": int(to0),
         "bytes_from_rank0": int(from0), "phase_s": phase_s, "phase_basis": basis,
         "coordinator_s": sum(planning.values()),
         "finish_s": sum(v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)),
-        "peak_mem_bytes": int(mem), "measured": n in coord and n in valid, "fit_from": fit_from,
+        "peak_mem_bytes": int(mem), "measured": n in coord and (n in valid or planner == "ours"),
+        "fit_from": sorted(set(fit_from)),
     }
 
 
-def _measured_ns(results, stack, layout, save, kind) -> list[int]:
-    return sorted(k[4] for k in results if k[0] == kind and k[1] == stack and k[2] == str(layout) and k[3] == save)
+def _measured_ns(results, stack, layout, save, kind, planner) -> list[int]:
+    return sorted(k[4] for k in results
+                  if k[0] == kind and k[1] == stack and k[2] == str(layout) and k[3] == save and k[5] == planner)
 
 
 def format_table(records: list[dict]) -> str:
-    head = f"{'torch':>7} {'layout':>7} {'save':>9} {'N':>5}  {'rank-0 planning':>15} {'of which validate':>17} " \
+    head = f"{'torch':>7} {'planner':>7} {'layout':>7} {'save':>9} {'N':>5}  {'rank-0 planning':>15} {'of which validate':>17} " \
            f"{'to rank 0':>10} {'rank-0 mem':>10}  basis"
     lines = [head, "-" * len(head)]
     for r in records:
         plan = r["coordinator_s"]
         flag = " > 30 min" if plan > DEADLINE_S else ""
-        lines.append(f"{r['torch']:>7} {r['layout']:>7} {r['save']:>9} {r['ranks']:>5}  {_fmt_s(plan):>15} "
+        lines.append(f"{r['torch']:>7} {r['planner']:>7} {r['layout']:>7} {r['save']:>9} {r['ranks']:>5}  {_fmt_s(plan):>15} "
                      f"{_fmt_s(r['phase_s']['validate']):>17} {_fmt_b(r['bytes_to_rank0']):>10} "
                      f"{_fmt_b(r['peak_mem_bytes']):>10}  {'measured' if r['measured'] else 'extrapolated'}{flag}")
     return "\n".join(lines)

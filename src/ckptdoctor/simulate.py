@@ -232,53 +232,131 @@ class CoordinatorMeasurement:
 
 
 class _Timer:
+    """CPU time per phase (this process's), best of the repeats: on 2 shared cores wall
+    time measures the neighbours; the coordinator's work is single-threaded Python."""
+
     def __init__(self):
         self.phase_s: dict[str, float] = {}
+        self._run: dict[str, float] = {}
 
     def __call__(self, name, func, *args):
-        start = time.perf_counter()
+        start = time.process_time()
         result = func(*args)
-        self.phase_s[name] = self.phase_s.get(name, 0.0) + time.perf_counter() - start
+        self._run[name] = self._run.get(name, 0.0) + time.process_time() - start
         return result
 
+    def end_repeat(self) -> None:
+        for name, seconds in self._run.items():
+            self.phase_s[name] = min(seconds, self.phase_s.get(name, math.inf))
+        self._run = {}
 
-def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner_factory=None,
-                        validation_sample: int | None = None, progress=None) -> CoordinatorMeasurement:
-    """Rank 0's phases of one save at `ranks` ranks (all plans materialised: mind N)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-    planner_factory = planner_factory or DefaultSavePlanner
+
+def placement_for(rank: int, ranks: int, layout: Layout, planner0):
+    """ScalableSavePlanner's view of rank `rank`'s DTensors (see planner.Placement)."""
+    from torch.distributed.tensor import DTensor
+
+    from .planner import Placement
+
+    mesh_shape, coordinate = tuple(layout.mesh_shape(ranks)), tuple(layout.coordinate(rank, ranks))
+    placements = tuple(layout.placements())
+
+    def placement_of(fqn):
+        value = planner0.state_dict.get(fqn)
+        return Placement(mesh_shape, coordinate, placements, tuple(value.shape)) if isinstance(value, DTensor) else None
+    return placement_of
+
+
+def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progress=None):
+    """Every rank's local plan as it reaches rank 0 (with `planner`: stock or ours)."""
+    from .planner import owned_items
+
     mesh = init_fake_world(0, ranks, layout)
     plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
-    gc.collect()
-    baseline = _rss_bytes()
-    blobs = []  # what rank 0 receives in the gather: every rank's pickled local plan
+    ownership_s = 0.0
     for rank in range(ranks):
         plan = plan0 if rank == 0 else derive_plan(plan0, planner0, rank, ranks, layout)
-        blobs.append(pickle.dumps(plan))
+        if planner == "ours":
+            start = time.process_time()
+            plan = dataclasses.replace(plan, items=owned_items(plan.items, placement_for(rank, ranks, layout, planner0),
+                                                               rank, ranks))
+            ownership_s = time.process_time() - start if rank == 0 else ownership_s
         if progress and rank % 256 == 255:
             progress(f"plans {rank + 1}/{ranks}")
-    del plan
+        yield plan, ownership_s
+
+
+def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: str = "stock",
+                        validation_sample: int | None = None, repeats: int = 2,
+                        progress=None) -> CoordinatorMeasurement:
+    """Rank 0's phases of one save at `ranks` ranks (all plans materialised: mind N).
+
+    stock: `DefaultSavePlanner` as Accelerate passes it. ours: `ScalableSavePlanner`; its
+    ownership step runs on every rank before the gather and is counted for rank 0."""
+    gc.collect()
+    baseline = _rss_bytes()
+    blobs, ownership_s = [], 0.0  # what rank 0 receives in the gather: every rank's pickled local plan
+    for plan, ownership_s in rank_plans(save, specs, ranks, layout, planner, progress):
+        blobs.append(pickle.dumps(plan))
     timer = _Timer()
     gc.disable()  # the collector's pauses would be measured as planning; torch runs with it on
     try:
-        all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
-        deduped = timer("dedup", planner_factory()._dedup_save_plans, all_plans)
-        global_plan, metadata = timer("build metadata", _default_metadata, deduped)
-        metadata = timer("merge mappings", _merge_mappings, global_plan, metadata)
-        validated = timer("validate", _validate, global_plan, metadata, validation_sample)
-        writer = FileSystemWriter("/nonexistent-ckptdoctor")
-        global_plan = timer("storage global step", writer.prepare_global_plan, global_plan)
-        scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
-        results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(global_plan)]
-        gathered_results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in results])
-        timer("finish: metadata", _finish_metadata, metadata, gathered_results)
+        for _ in range(repeats):
+            phases = _coordinator_phases_ours if planner == "ours" else _coordinator_phases_stock
+            run = phases(timer, blobs, validation_sample)
+            results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in run.results])
+            timer("finish: metadata", _finish_metadata, run.metadata, results)
+            timer.end_repeat()
     finally:
         gc.enable()
+    if planner == "ours":
+        timer.phase_s["ownership (every rank)"] = ownership_s
     return CoordinatorMeasurement(
-        ranks=ranks, items_gathered=sum(len(p.items) for p in all_plans),
-        bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, results)),
-        bytes_from_rank0=ranks * max(map(len, scatter)),  # scatter_object_list pads every plan to the largest
-        phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=validated)
+        ranks=ranks, items_gathered=sum(len(p.items) for p in run.all_plans),
+        bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, run.results)),
+        bytes_from_rank0=ranks * max(map(len, run.scatter)),  # scatter_object_list pads every plan to the largest
+        phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=run.validated)
+
+
+@dataclasses.dataclass
+class _CoordinatorRun:
+    all_plans: list
+    metadata: object
+    scatter: list[bytes]   # the pickled plans rank 0 scatters
+    results: list[bytes]   # the pickled write results rank 0 gathers in the finish step
+    validated: tuple[int, int]
+
+
+def _coordinator_phases_stock(timer, blobs, validation_sample):
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+    deduped = timer("dedup", DefaultSavePlanner()._dedup_save_plans, all_plans)
+    global_plan, metadata = timer("build metadata", _default_metadata, deduped)
+    metadata = timer("merge mappings", _merge_mappings, global_plan, metadata)
+    validated = timer("validate", _validate, global_plan, metadata, validation_sample)
+    global_plan = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan, global_plan)
+    scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
+    results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(global_plan)]
+    return _CoordinatorRun(all_plans, metadata, scatter, results, validated)
+
+
+def _coordinator_phases_ours(timer, blobs, validation_sample):
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from .planner import build_metadata, validate_chunks
+
+    all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+    metadata = timer("build metadata", build_metadata, all_plans)
+    metadata = timer("merge mappings", _merge_mappings, all_plans, metadata)
+    problems = timer("validate", validate_chunks, metadata)
+    if problems:
+        raise AssertionError(f"ScalableSavePlanner rejected the simulated plan: {problems[:3]}")
+    deltas = [SavePlan([], usable=False) for _ in all_plans]
+    deltas = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan, deltas)
+    scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in deltas])
+    results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(all_plans)]
+    return _CoordinatorRun(all_plans, metadata, scatter, results, (len(metadata.state_dict_metadata),) * 2)
 
 
 def _default_metadata(plans):
@@ -372,7 +450,8 @@ def main(argv=None) -> int:
     specs = parameter_specs(shape, job["mode"])
     layout = Layout.parse(job["layout"])
     if job["kind"] == "coordinator":
-        m = measure_coordinator(job["save"], specs, job["ranks"], layout, validation_sample=job.get("validation_sample"))
+        m = measure_coordinator(job["save"], specs, job["ranks"], layout, planner=job.get("planner", "stock"),
+                                validation_sample=job.get("validation_sample"))
         out = dataclasses.asdict(m)
     elif job["kind"] == "validation":
         classes = shape_classes(job["save"], specs)
