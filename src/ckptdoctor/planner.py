@@ -54,11 +54,14 @@ class ScalableSavePlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
         if dist.is_available() and dist.is_initialized() and self.check_replicas:
-            self.replicas_agree = _all_ranks_agree(structure_digest(plan.items, self.state_dict), self.process_group)
+            digest = structure_digest(plan.items, self.state_dict, getattr(self, "mappings", {}))
+            self.replicas_agree = _all_ranks_agree(digest, self.process_group)
         if self.replicas_agree and dist.is_initialized():
             rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
             plan = dataclasses.replace(plan, items=owned_items(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
                                                                rank, world))
+            if rank != 0:  # the flatten mapping is the same on every rank (in the digest): rank 0's is enough
+                plan = dataclasses.replace(plan, planner_data={})
         self.plan = plan
         return plan
 
@@ -195,9 +198,10 @@ def owned_items(items: list[WriteItem], placement_of: Callable[[str], Placement 
     return kept
 
 
-def structure_digest(items: list[WriteItem], state_dict: dict) -> int:
-    """A 63-bit digest of what the plan holds (keys, types, global sizes, dtypes), not values."""
-    rows = []
+def structure_digest(items: list[WriteItem], state_dict: dict, mappings: dict | None = None) -> int:
+    """A 63-bit digest of what the plan holds (keys, types, global sizes, dtypes, and the
+    flatten mapping), not of the values."""
+    rows = [f"mapping|{key}|{path}" for key, path in (mappings or {}).items()]
     for item in items:
         td = item.tensor_data
         value = state_dict.get(item.index.fqn)

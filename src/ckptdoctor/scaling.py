@@ -34,6 +34,7 @@ from .stacks import STACKS
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
+PER_RANK_PHASES = ("ownership (every rank)",)
 
 
 @dataclasses.dataclass
@@ -155,11 +156,13 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
     else:
         fit = f"extrapolated (linear fit from N={','.join(map(str, (min(coord), max(coord))))})"
         for phase in coord[max(coord)]["phase_s"]:
-            if phase != "validate" or not sampled:
+            if phase in PER_RANK_PHASES:  # each rank's work on its own plan: does not grow with N
+                phase_s[phase] = coord[max(coord)]["phase_s"][phase]
+                basis[phase] = f"constant in N (measured at N={max(coord)})"
+            elif phase != "validate" or not sampled:
                 phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
                 basis[phase] = fit
-        per_rank_items = coord[max(coord)]["items_gathered"] / max(coord)
-        items = round(per_rank_items * n)
+        items = _extrapolate_linear({r: c["items_gathered"] for r, c in coord.items()}, n)
         to0 = _extrapolate_linear({r: c["bytes_to_rank0"] for r, c in coord.items()}, n)
         from0 = _extrapolate_linear({r: c["bytes_from_rank0"] for r, c in coord.items()}, n)
         mem = _extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n)

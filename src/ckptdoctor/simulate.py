@@ -280,6 +280,8 @@ def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progr
             plan = dataclasses.replace(plan, items=owned_items(plan.items, placement_for(rank, ranks, layout, planner0),
                                                                rank, ranks))
             ownership_s = time.process_time() - start if rank == 0 else ownership_s
+            if rank != 0:
+                plan = dataclasses.replace(plan, planner_data={})  # as ScalableSavePlanner sends it
         if progress and rank % 256 == 255:
             progress(f"plans {rank + 1}/{ranks}")
         yield plan, ownership_s
