@@ -64,3 +64,31 @@ def test_lora_the_model_plan_is_the_long_one_so_the_model_save_trips_first(lora)
     assert (lora["failed_call"], lora["failed_phase"], lora["waiting_call"]) == ("save_fsdp_model", "plan-scatter", "broadcast")
     assert lora["model_save_ok"] is False and lora["optimizer_save_ok"] is False
     assert "Timed out waiting" in lora["gloo_error"]
+
+
+# -- the fix, at the very deadline that made stock time out ------------------------------
+
+def fixed(stock_report, mode, tmp_path_factory):
+    opts = ReproOptions(mode=mode, output_dir=tmp_path_factory.mktemp(f"{mode}-fixed"), fix=True,
+                        deadline_s=stock_report["deadline_ms"] / 1000)
+    return reproduce(opts, progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def sft_fixed(sft, tmp_path_factory):
+    return fixed(sft, "sft", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def lora_fixed(lora, tmp_path_factory):
+    return fixed(lora, "lora", tmp_path_factory)
+
+
+@pytest.mark.parametrize("which", ["sft", "lora"])
+def test_the_fix_completes_at_the_stock_deadline_and_round_trips_bit_exactly(which, request):
+    stock, report = request.getfixturevalue(which), request.getfixturevalue(f"{which}_fixed")
+    assert stock["reproduced"] is True  # the same deadline made stock fail
+    assert report["deadline_ms"] == stock["deadline_ms"]
+    assert report["gloo_error"] is None and set(report["rank_status"].values()) == {"ok"}
+    assert report["save_ok"] is True and report["model_save_ok"] and report["optimizer_save_ok"]
+    assert report["roundtrip_bitexact"] is True, report["roundtrip_differences"]

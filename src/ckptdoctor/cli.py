@@ -43,12 +43,14 @@ def cmd_repro(args) -> int:
         raise CkptDoctorError(f"--layers must be at least 1, got {args.layers}")
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, video_layers=args.layers,
                         output_dir=_writable_dir(args.out), deadline_s=args.deadline,
-                        offload_params=not args.no_offload, cp_size=args.cp)
+                        offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix)
     if args.cp > 1 and args.deadline is None:
         raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
     report = reproduce(opts, progress=lambda line: print(line, flush=True))
     print(format_report(report))
     _write_json(args.json, report)
+    if args.fix:
+        return 0 if report["save_ok"] and report["roundtrip_bitexact"] else 1
     return 0 if report["reproduced"] else 1
 
 
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--layers", type=int, default=12, help="DiT blocks per video tower (default 12; real: 40)")
     repro.add_argument("--deadline", type=float, default=None,
                        help="gloo deadline in seconds (default: chosen from a calibration run)")
+    repro.add_argument("--fix", action="store_true",
+                       help="save with ScalableCheckpointing at the deadline that makes stock time out, then "
+                            "load_state and compare every rank's state bit for bit")
     repro.add_argument("--no-offload", action="store_true", help="fsdp_offload_params false (the user runs with true)")
     repro.add_argument("--cp", type=int, default=1,
                        help="context-parallel size folded into the FSDP mesh (the user's file: 4); needs --deadline")

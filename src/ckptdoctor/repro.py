@@ -28,6 +28,7 @@ from .launcher import launch
 from .model import MovaShape
 from .stacks import installed_versions
 from .timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
+from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
 from .worker import WorkerSpec
 
 MODEL_SAVE, OPTIMIZER_SAVE = "pytorch_model_fsdp_0", "optimizer_0"
@@ -75,13 +76,15 @@ class DeadlineChoice:
     above_s: float        # the target's plan-scatter wait
 
 
-def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, time_collectives=False) -> JobOutcome:
-    """One real N-process training job whose default group has `deadline_s`."""
+def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, time_collectives=False,
+            fix: bool = False) -> JobOutcome:
+    """One real N-process training job whose default group has `deadline_s` (saves with the
+    fix when `fix`; calibration always measures the stock save)."""
     root = Path(opts.output_dir) / name
     shutil.rmtree(root, ignore_errors=True)
     (root / "results").mkdir(parents=True)
     spec = WorkerSpec(opts.training_config(), opts.shape(), str(root / "checkpoints"), str(root / "results"),
-                      checkpoint_deadline_s=deadline_s, fix=opts.fix, time_collectives=time_collectives)
+                      checkpoint_deadline_s=deadline_s, fix=fix, time_collectives=time_collectives)
     spec_path = root / "spec.json"
     spec_path.write_text(spec.to_json())
     progress(f"  {name}: {opts.world_size} ranks, {opts.mode}, gloo deadline {deadline_s:.3f} s, log {root / 'job.log'}")
@@ -182,7 +185,7 @@ def reproduce(opts: ReproOptions, progress=print) -> dict:
     else:
         choice = DeadlineChoice(opts.deadline_s, OPTIMIZER_SAVE, float("nan"), float("nan"))
     progress("[2/2] " + ("the fixed save" if opts.fix else "reproduction") + f" under the {choice.deadline_s:.2f} s deadline")
-    outcome = run_job(opts, "fixed" if opts.fix else "reproduction", choice.deadline_s, progress)
+    outcome = run_job(opts, "fixed" if opts.fix else "reproduction", choice.deadline_s, progress, fix=opts.fix)
     return build_report(opts, outcome, choice, costs, torch_v, accelerate_v)
 
 
@@ -193,7 +196,9 @@ def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch
     failed_save = next((s for s, call in CALL_OF_SAVE.items() if call == point.accelerate_call), None)
     timeout_at = min(r["error_time_s"] for r in outcome.ranks if r.get("error_time_s") and
                      callpath.gloo_timeout_ms(r.get("error", ""))) if failing else None
-    timeline, where = describe_timeline(outcome, failed_save or choice.target_save, opts.world_size, timeout_at)
+    # The fixed job also loads (same directory names): its events are not one save's timeline.
+    timeline, where = ([], {}) if opts.fix else describe_timeline(outcome, failed_save or choice.target_save,
+                                                                   opts.world_size, timeout_at)
     timed_out = [r["rank"] for r in outcome.ranks if callpath.gloo_timeout_ms(r.get("error", "")) is not None]
     model_ok, optim_ok = save_completed(outcome, MODEL_SAVE), save_completed(outcome, OPTIMIZER_SAVE)
     expected_call = CALL_OF_SAVE[choice.target_save]
@@ -205,6 +210,12 @@ def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch
         and point.accelerate_call == expected_call and model_ok == (expected_call == "save_fsdp_optimizer")
     report = {
         "reproduced": reproduced and not opts.fix,
+        "fix": opts.fix,
+        "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
+        "save_ok": model_ok and optim_ok and all(r.get("status") == "ok" for r in outcome.ranks),
+        "roundtrip_bitexact": all(r.get("roundtrip_differences") == [] for r in outcome.ranks) if opts.fix else None,
+        "roundtrip_differences": {r["rank"]: r.get("roundtrip_differences") for r in outcome.ranks
+                                  if r.get("roundtrip_differences")} if opts.fix else None,
         "mode": opts.mode, "world_size": opts.world_size, "torch": torch_v, "accelerate": accelerate_v,
         "failed_phase": point.phase, "failed_call": point.accelerate_call, "waiting_call": point.waiting_call,
         "expected_call": expected_call, "model_save_ok": model_ok, "optimizer_save_ok": optim_ok,
@@ -233,9 +244,18 @@ def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch
 def format_report(report: dict) -> str:
     """The human-readable summary printed by `ckptdoctor repro`."""
     lines = []
-    verdict = "REPRODUCED" if report["reproduced"] else "NOT reproduced"
-    lines.append(f"{verdict}: {report['world_size']} ranks, mode {report['mode']}, torch {report['torch']}, "
-                 f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms")
+    if report["fix"]:
+        lines.append(f"{'FIXED' if report['save_ok'] and report['roundtrip_bitexact'] else 'FIX FAILED'}: "
+                     f"{report['world_size']} ranks, mode {report['mode']}, torch {report['torch']}, accelerate "
+                     f"{report['accelerate']}, ScalableCheckpointing; the default group keeps the {report['deadline_ms']} ms "
+                     f"deadline that made stock time out, saves run on a checkpoint group with "
+                     f"{report['checkpoint_group_timeout_ms']} ms (x{CHECKPOINT_TIMEOUT_FACTOR:g}, as 3 h beside 30 min)")
+        lines.append(f"  save completed on every rank: {report['save_ok']}; state after load_state bit-identical "
+                     f"to before the save on every rank: {report['roundtrip_bitexact']}")
+    else:
+        verdict = "REPRODUCED" if report["reproduced"] else "NOT reproduced"
+        lines.append(f"{verdict}: {report['world_size']} ranks, mode {report['mode']}, torch {report['torch']}, "
+                     f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms")
     lines.append(f"  model save completed: {report['model_save_ok']}; optimizer save completed: {report['optimizer_save_ok']}")
     if report["gloo_error"]:
         lines.append(f"  ranks {_ranges(report['ranks_timed_out'])} failed in {report['failed_call']} "

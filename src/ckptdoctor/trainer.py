@@ -117,10 +117,14 @@ class AccelerateTrainer:
     def _save_lora_weights(self, step_dir: Path) -> None:
         """MOVA gathers the full model state dict (FSDP2: full, offloaded to rank 0's CPU)
         only to pick out the adapter weights."""
-        state = self.accelerator.get_state_dict(self.model)
+        if getattr(self.save_hook, "local_adapters", False):  # the fix: no gather of the full model
+            from .checkpointing import local_adapter_state
+            adapters = local_adapter_state(self.model)
+        else:
+            adapters = {k: v for k, v in self.accelerator.get_state_dict(self.model).items() if "lora_" in k}
         if self.accelerator.is_main_process:
             step_dir.mkdir(parents=True, exist_ok=True)
-            torch.save({k: v for k, v in state.items() if "lora_" in k}, step_dir / "lora_weights.pt")
+            torch.save(adapters, step_dir / "lora_weights.pt")
 
     def load_checkpoint(self, step: int) -> None:
         self.accelerator.load_state(str(self.step_dir(step) / "accelerator"))

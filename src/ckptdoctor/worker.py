@@ -113,9 +113,9 @@ def run(spec: WorkerSpec) -> int:
 
     signal.signal(signal.SIGTERM, on_sigterm)
     save_hook = None
-    if spec.fix:
-        from .fix import fixed_save_hook
-        save_hook = fixed_save_hook(spec)
+    if spec.fix:  # the default group keeps the scaled deadline; saves move to their own group
+        from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR, FixedSave
+        save_hook = FixedSave(checkpoint_timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)
     try:
         trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, training_group, save_hook)
         result = trainer.train()
@@ -123,7 +123,8 @@ def run(spec: WorkerSpec) -> int:
         report.write(status="failed", error_type=type(error).__name__, error=str(error).strip(),
                      error_time_s=time.time(), frames=frames_of(error.__traceback__))
         raise
-    report.write(status="ok", losses=result.losses, saved_steps=result.saved_steps)
+    roundtrip = None if save_hook is None else save_hook.roundtrip_differences
+    report.write(status="ok", losses=result.losses, saved_steps=result.saved_steps, roundtrip_differences=roundtrip)
     dist.destroy_process_group()
     return 0
 
