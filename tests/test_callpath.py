@@ -26,3 +26,10 @@ def test_other_phases():
 def test_gloo_timeout_is_read_from_the_users_report(user_report_text):
     assert callpath.gloo_timeout_ms(user_report_text) == 1_800_000
     assert callpath.gloo_timeout_ms("Connection closed by peer") is None
+
+
+def test_format_ranks_folds_runs():
+    from ckptdoctor.callpath import format_ranks
+
+    assert format_ranks([7, 1, 2, 3, 9, 10]) == "1-3,7,9-10"
+    assert format_ranks([]) == "none"

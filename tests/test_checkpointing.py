@@ -32,3 +32,41 @@ def test_local_adapter_state_takes_plain_lora_tensors_and_refuses_sharded_ones()
         local_adapter_state(model)
     with pytest.raises(CkptDoctorError, match="no parameter name contains"):
         local_adapter_state(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_checkpoint_still_loads(tmp_path):
+    import json
+    import time
+    from pathlib import Path
+
+    from ckptdoctor.config import TrainingConfig
+    from ckptdoctor.launcher import launch
+    from ckptdoctor.model import MovaShape
+    from ckptdoctor.worker import WorkerSpec
+
+    job = Path(__file__).parent / "jobs" / "kill_job.py"
+    (tmp_path / "results").mkdir()
+    spec = WorkerSpec(TrainingConfig(world_size=4, max_steps=2, save_interval=1), MovaShape(),
+                      str(tmp_path / "checkpoints"), str(tmp_path / "results"), checkpoint_deadline_s=600.0,
+                      fix=True)
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(spec.to_json())
+    start = time.time()
+    result = launch([str(job), "train", str(spec_path), "2"], 4, tmp_path / "train.log", timeout_s=600, grace_s=60)
+    log = (tmp_path / "train.log").read_text()
+    assert result.returncodes[2] == 9 and all(rc != 0 for rc in result.returncodes)
+    assert result.torn_down == [], "survivors had to be killed: they did not fail on their own"
+    reports = {r: json.loads((tmp_path / "results" / f"rank{r}.json").read_text()) for r in (0, 1, 3)}
+    for rank, report in reports.items():
+        assert report["status"] == "failed" and report["error_type"] == "CheckpointAborted", report.get("error")
+        assert "rank(s) 2 left the checkpoint" in report["error"]
+    killed_at = float((tmp_path / "results" / "killed_at").read_text())
+    assert killed_at > start
+    assert max(r["error_time_s"] for r in reports.values()) - killed_at < 30, "survivors must fail within 30 s"
+    root = tmp_path / "checkpoints"
+    assert ScalableCheckpointing.latest(root) == root / "step-1" / "accelerator"
+    assert not (root / "step-2" / "accelerator").exists()
+    resumed = launch([str(job), "resume", str(spec_path)], 4, tmp_path / "resume.log", timeout_s=600)
+    assert resumed.returncodes == [0] * 4, (tmp_path / "resume.log").read_text()[-3000:]
+    assert json.loads((tmp_path / "results" / "resume0.json").read_text())["loaded"].endswith("step-1/accelerator")

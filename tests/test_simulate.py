@@ -1,5 +1,6 @@
 """The simulator in one process: derivation by symmetry, cost laws, bad input."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -62,8 +63,15 @@ def test_quadratic_validation_law_predicts_an_unfitted_point_within_30_percent()
     assert abs(predicted - measured[512]) <= 0.3 * measured[512], (measured, predicted)
 
 
+# Widths above the largest N: a dimension smaller than the shard group gives the extra ranks
+# the same empty chunk, which dedup folds into one, and the per-chunk work stops growing
+# (true for the tiny default widths; for MOVA's real widths only the audio tower, 1536 wide).
+WIDE = dataclasses.replace(MovaShape(), video_dim=64, video_ffn=128, audio_dim=64, audio_ffn=128, text_dim=64,
+                           latent_channels=64, freq_dim=64).with_layers(6)
+
+
 def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
-    specs, layout = parameter_specs(SHAPE, "sft"), Layout.parse("fsdp")
+    specs, layout = parameter_specs(WIDE, "sft"), Layout.parse("fsdp")
     try:
         runs = {n: best_of(lambda: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
                                                                          validation_sample=1).phase_s.items()
@@ -99,3 +107,31 @@ def test_simulate_cli_bad_input_is_one_clear_line(args, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "1144", "--torch", "2.9.0"], "no cost model for torch 2.9.0"),
+    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
+    (["--ranks", "8", "--warn-fraction", "2"], "--warn-fraction must be in (0, 1]"),
+])
+def test_check_bad_input_is_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_check_warns_and_names_the_fix(tmp_path):
+    from ckptdoctor.stacks import installed_versions
+
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", "--ranks", "16", "--layout", "hsdp:8",
+                           "--torch", installed_versions()[0], "--deadline", "1", "--warn-fraction", "0.1",
+                           "--json", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    result = json.loads(out.read_text())
+    assert {(r["planner"], r["save"]) for r in result["records"]} == {(p, s) for p in ("stock", "ours")
+                                                                       for s in ("model", "optimizer")}
+    assert any("optimizer save" in w and "ScalableSavePlanner" in w for w in result["warnings"])
+    stock = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "stock"}
+    ours = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "ours"}
+    assert ours["optimizer"] < stock["optimizer"]

@@ -71,3 +71,16 @@ def matches_report(frames: list[str]) -> bool:
 def gloo_timeout_ms(text: str) -> int | None:
     match = GLOO_TIMEOUT.search(text)
     return int(match.group(1)) if match else None
+
+
+def format_ranks(ranks) -> str:
+    """[1, 2, 3, 7] -> "1-3,7" (sorted); "none" for no ranks."""
+    out, start, prev = [], None, None
+    for r in sorted(ranks) + [None]:
+        if start is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            out.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    return ",".join(out) or "none"

@@ -28,6 +28,8 @@ import datetime
 import functools
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 from .errors import CkptDoctorError, UnsupportedVersion
@@ -36,6 +38,8 @@ from .planner import ScalableSavePlanner
 CHECKED = {"torch": ("2.8.0", "2.14.1"), "accelerate": ("1.13.0", "1.15.0")}
 INCOMPLETE = ".incomplete"
 COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+HEARTBEAT_S = 1.0  # during a save each rank bumps a store counter this often
 
 
 class CheckpointAborted(CkptDoctorError):
@@ -62,30 +66,33 @@ class ScalableCheckpointing:
         self.accelerator = accelerator
         self.group = group or dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = dist.get_rank()
+        self._prefix = "ckptdoctor/ckpt/load/"
 
     # -- save / load ------------------------------------------------------------------
     def save_state(self, output_dir: str | os.PathLike) -> Path:
         final = Path(output_dir)
+        self._prefix = f"ckptdoctor/ckpt/{final.parent.name}/{final.name}/"
         staging = final.with_name(final.name + INCOMPLETE)
-        if self.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)  # a previous interrupted attempt
-        self._barrier("clean staging")
-        with self._dcp_on_checkpoint_group():
-            self.accelerator.save_state(str(staging))
-        self._barrier("every rank wrote")  # rank 0's metadata is written before it gets here
-        if self.rank == 0:
-            (staging / COMPLETE_MARKER).write_text("ok\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staging, final)
-        self._barrier("published")
+        with Heartbeat(self._prefix, self.rank):
+            if self.rank == 0:
+                shutil.rmtree(staging, ignore_errors=True)  # a previous interrupted attempt
+            self._barrier("clean staging")
+            with self._dcp_on_checkpoint_group():
+                self.accelerator.save_state(str(staging))
+            self._barrier("every rank wrote")  # rank 0's metadata is written before it gets here
+            if self.rank == 0:
+                (staging / COMPLETE_MARKER).write_text("ok\n")
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(staging, final)
+            self._barrier("published")
         return final
 
     def load_state(self, input_dir: str | os.PathLike) -> None:
         path = Path(input_dir)
         if not is_complete(path):
             raise CheckpointAborted(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}); refusing to load it")
-        with self._dcp_on_checkpoint_group():
+        with Heartbeat(self._prefix, self.rank), self._dcp_on_checkpoint_group():
             self.accelerator.load_state(str(path))
 
     @staticmethod
@@ -102,8 +109,13 @@ class ScalableCheckpointing:
         try:
             dist.barrier(group=self.group)
         except RuntimeError as error:
-            raise CheckpointAborted(f"rank {self.rank}: checkpoint aborted at '{what}': a peer left the "
-                                    f"checkpoint group ({error})") from error
+            raise self._aborted(f"at '{what}'", error) from error
+
+    def _aborted(self, where: str, error: Exception) -> CheckpointAborted:
+        """Name the ranks that left, from their heartbeats on the job's TCP store."""
+        missing = ranks_gone(self._prefix, self.rank, self.accelerator.num_processes)
+        who = f"rank(s) {', '.join(map(str, missing))} left the checkpoint" if missing else "a peer left the checkpoint"
+        return CheckpointAborted(f"rank {self.rank}: checkpoint aborted {where}: {who} ({str(error).strip()[:200]})")
 
     @contextlib.contextmanager
     def _dcp_on_checkpoint_group(self):
@@ -128,12 +140,63 @@ class ScalableCheckpointing:
         dcp.save, dcp.load = save, load
         try:
             yield
-        except RuntimeError as error:
-            if "Connection closed by peer" in str(error) or "Connection reset" in str(error):
-                raise CheckpointAborted(f"rank {self.rank}: a peer died during the checkpoint ({error})") from error
+        except RuntimeError as error:  # DCP wraps per-rank failures in CheckpointException (a RuntimeError)
+            if any(sign in str(error) for sign in PEER_GONE):
+                raise self._aborted("during DCP", error) from error
             raise
         finally:
             dcp.save, dcp.load = original_save, original_load
+
+
+def _store():
+    """The job's TCP store (torch keeps it privately; 2.8 and 2.14 expose it the same way)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+class Heartbeat:
+    """While a save or load runs, a daemon thread bumps this rank's counter on the job's TCP
+    store every `interval_s` (a key update, not a collective). A rank whose counter stops is gone."""
+
+    def __init__(self, prefix: str, rank: int, interval_s: float = HEARTBEAT_S):
+        self.key, self.interval_s = f"{prefix}beat/{rank}", interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="ckptdoctor-heartbeat", daemon=True)
+
+    def _beat(self) -> None:
+        try:
+            store = _store()
+            while True:
+                store.add(self.key, 1)
+                if self._stop.wait(self.interval_s):
+                    return
+        except Exception:  # noqa: BLE001 - the store went away with rank 0: nothing to report to
+            return
+
+    def __enter__(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+
+def ranks_gone(prefix: str, rank: int, world_size: int, wait_s: float = 3 * HEARTBEAT_S) -> list[int]:
+    """Ranks whose heartbeat stopped and who did not abort on their own (a survivor that gave
+    up first marks itself), watched for `wait_s`. The store lives in rank 0's process: when
+    it is unreachable, rank 0 is gone."""
+    try:
+        store = _store()
+        store.set(f"{prefix}aborted/{rank}", "1")
+        keys = [f"{prefix}beat/{r}" for r in range(world_size)]
+        before = [store.add(k, 0) for k in keys]
+        time.sleep(wait_s)
+        after = [store.add(k, 0) for k in keys]
+        return [r for r in range(world_size) if r != rank and after[r] == before[r]
+                and not store.check([f"{prefix}aborted/{r}"])]
+    except Exception:  # noqa: BLE001
+        return [0] if rank != 0 else []
 
 
 def local_adapter_state(model, marker: str = "lora_") -> dict:

@@ -97,6 +97,23 @@ def cmd_diagnose(args) -> int:
     return 0 if report["known"] else 1
 
 
+def cmd_check(args) -> int:
+    from .scaling import check_layout, format_table
+    from .simulate import Layout
+
+    if not 0 < args.warn_fraction <= 1:
+        raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {args.warn_fraction}")
+    result = check_layout(args.ranks, Layout.parse(args.layout), args.mode, args.torch, args.deadline,
+                          args.warn_fraction, progress=lambda line: print(line, flush=True))
+    print(format_table(result["records"]))
+    for line in result["warnings"]:
+        print(f"WARNING: {line}")
+    if not result["warnings"]:
+        print(f"OK: every save plans in under {args.warn_fraction:.0%} of the {args.deadline:.0f} s deadline")
+    _write_json(args.json, result)
+    return 3 if result["warnings"] else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptdoctor",
@@ -140,6 +157,20 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--json", metavar="PATH", help="write the records here")
     sim.add_argument("--plot", metavar="PNG", help="write a log-log plot of planning time against N")
     sim.set_defaults(func=cmd_simulate)
+
+    check = sub.add_parser(
+        "check", help="before launching: predict rank 0's planning time for a layout and warn",
+        description="Runs the cost model (ckptdoctor simulate's measurements and fits) for one layout and torch "
+                    "version, and warns when a stock save would plan for a given fraction of the deadline. "
+                    "Exit status 3 when it warns. Takes a minute or two.")
+    check.add_argument("--ranks", type=int, required=True, help="world size N")
+    check.add_argument("--layout", default="fsdp", help="fsdp or hsdp:S (default fsdp)")
+    check.add_argument("--mode", choices=("sft", "lora"), default="sft")
+    check.add_argument("--torch", default="2.8.0", help="torch version of the job (2.8.0 or 2.14.1)")
+    check.add_argument("--deadline", type=float, default=1800.0, help="the save's gloo deadline in s (default 1800)")
+    check.add_argument("--warn-fraction", type=float, default=0.5, help="warn at this fraction (default 0.5)")
+    check.add_argument("--json", metavar="PATH")
+    check.set_defaults(func=cmd_check)
 
     diag = sub.add_parser(
         "diagnose", help="explain a failed save/load from torchrun or Accelerate logs",

@@ -135,18 +135,6 @@ def implied_versions(frames: list[Frame]) -> dict[str, str | None]:
     return out
 
 
-def _ranges(ranks: list[int]) -> str:
-    out, start, prev = [], None, None
-    for r in sorted(ranks) + [None]:
-        if start is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    return ",".join(out)
-
-
 def diagnose(paths: Iterable[str | Path], ranks_per_node: int = 8) -> dict:
     ranks = read_logs(paths)
     failing = {r: log for r, log in ranks.items() if log.errors}
@@ -217,7 +205,7 @@ def rank_causes(report: dict, ranks: dict) -> list[dict]:
                        "evidence": [report["error"] or ""], "action": "find the rank that did not arrive"})
     elif kind == "peer-closed":
         causes.append({"cause": "another rank died: its gloo connection closed", "score": 0.8,
-                       "evidence": [f"ranks {_ranges(report['ranks'])} saw their peer close the connection"],
+                       "evidence": [f"ranks {callpath.format_ranks(report['ranks'])} saw their peer close the connection"],
                        "action": "find the first rank that exited (its own error, or an OOM kill on its host)"})
     elif kind == "collective-watchdog":
         causes.append({"cause": "an NCCL/HCCL collective timed out (the device group, not the gloo plan exchange)",
@@ -242,10 +230,10 @@ def format_report(report: dict) -> str:
     lines = [f"failure: {report['error_kind']} during the {what} "
              f"({report['phase'] or 'phase unknown'}, waiting in {report['waiting_call'] or '?'})"]
     if report["ranks"]:
-        lines.append(f"reported by ranks {_ranges(report['ranks'])} on node(s) {_ranges(report['nodes'])} "
-                     f"(8 ranks per node assumed)")
+        lines.append(f"reported by ranks {callpath.format_ranks(report['ranks'])} on node(s) "
+                     f"{callpath.format_ranks(report['nodes'])} (8 ranks per node assumed)")
     if report["waiting_on"]:
-        lines.append(f"waiting on: rank {_ranges(report['waiting_on'])} (the DCP coordinator)")
+        lines.append(f"waiting on: rank {callpath.format_ranks(report['waiting_on'])} (the DCP coordinator)")
     if report["timeout_ms"] is not None:
         lines.append(f"timeout: {report['timeout_ms']} ms")
     lines.append(f"versions implied by the frames: torch {report['torch'] or 'unknown'}, "

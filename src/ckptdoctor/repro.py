@@ -258,7 +258,7 @@ def format_report(report: dict) -> str:
                      f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms")
     lines.append(f"  model save completed: {report['model_save_ok']}; optimizer save completed: {report['optimizer_save_ok']}")
     if report["gloo_error"]:
-        lines.append(f"  ranks {_ranges(report['ranks_timed_out'])} failed in {report['failed_call']} "
+        lines.append(f"  ranks {callpath.format_ranks(report['ranks_timed_out'])} failed in {report['failed_call']} "
                      f"-> {report['failed_phase']} ({report['waiting_call']}):")
         lines.append(f"    RuntimeError: {report['gloo_error']}")
         lines.append("  frames (outermost first): " + " -> ".join(report["frames"]))
@@ -287,17 +287,3 @@ def format_report(report: dict) -> str:
                 lines.append(f"    rank   0  {row['start_s']:8.3f}  {row['phase']:<44} {row['duration_s']:.3f} s")
     lines.append(f"  full log: {report['log']}")
     return "\n".join(lines)
-
-
-def _ranges(ranks: list[int]) -> str:
-    if not ranks:
-        return "none"
-    out, start, prev = [], ranks[0], ranks[0]
-    for r in ranks[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if r is not None:
-            start = prev = r
-    return ",".join(out)

@@ -249,3 +249,31 @@ def plot(records: list[dict], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- `ckptdoctor check`: the cost model, asked before a job starts ------------------------
+
+def stack_for_torch(version: str) -> str:
+    for name, stack in STACKS.items():
+        if stack.torch == version:
+            return name
+    known = ", ".join(s.torch for s in STACKS.values())
+    raise CkptDoctorError(f"no cost model for torch {version}; measured stacks: torch {known}")
+
+
+def check_layout(ranks: int, layout: Layout, mode: str, torch_version: str, deadline_s: float, warn_fraction: float,
+                 progress=print) -> dict:
+    """Predict rank 0's planning for the model and optimizer saves (stock and ours) and
+    warn when a stock save reaches `warn_fraction` of the deadline."""
+    layout.check(ranks)
+    stack = stack_for_torch(torch_version)
+    opts = ScalingOptions(ranks=[ranks], layouts=[layout], mode=mode, stacks=[stack],
+                          max_validated=min(ranks, 1144))
+    records = build_records(opts, measure_all(opts, progress=progress))
+    warnings = [f"{r['save']} save: rank 0 plans for about {_fmt_s(r['coordinator_s'])} "
+                f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
+                f"use ckptdoctor's ScalableSavePlanner (docs/fix-for-mova.md): about "
+                f"{_fmt_s(next(o['coordinator_s'] for o in records if o['planner'] == 'ours' and o['save'] == r['save']))}"
+                for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
+    return {"ranks": ranks, "layout": str(layout), "mode": mode, "torch": torch_version, "deadline_s": deadline_s,
+            "warn_fraction": warn_fraction, "records": records, "warnings": warnings}

@@ -1,0 +1,41 @@
+"""One rank of the watchdog test: a DCP save whose coordinator is held in create_global_plan.
+
+    python watchdog_job.py OUT_DIR
+
+The hold is the test's stand-in for a long planning phase (the watchdog is under test, not
+the planner). The watchdog fires at 1/4 of an 8 s deadline.
+"""
+
+import datetime
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+
+from ckptdoctor.watchdog import SaveWatchdog
+
+
+class SlowCoordinator(DefaultSavePlanner):
+    def create_global_plan(self, all_plans):
+        time.sleep(4.0)
+        return super().create_global_plan(all_plans)
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    state = {"w": torch.full((4,), float(dist.get_rank()))}
+    with SaveWatchdog(deadline_s=8.0, fraction=0.25, out_dir=out / "watchdog", interval_s=0.2, summary_delay_s=1.0):
+        dcp.save(state, checkpoint_id=out / "ckpt", planner=SlowCoordinator())
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
