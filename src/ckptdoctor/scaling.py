@@ -106,8 +106,9 @@ def _validation_s(per_class) -> float:
 
 
 def _extrapolate_linear(points: dict[int, float], n: int) -> float:
-    """Straight line through the smallest and largest measured N."""
-    (n0, y0), (n1, y1) = min(points.items()), max(points.items())
+    """Straight line through the two largest measured N (the smallest can be degenerate:
+    hsdp:8 at N=8 has no replicas)."""
+    (n0, y0), (n1, y1) = sorted(points.items())[-2:]
     slope = (y1 - y0) / (n1 - n0)
     return max(y1 + slope * (n - n1), 0.0)
 
@@ -154,7 +155,7 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
         basis.update({k: "measured" for k in phase_s})
         items, to0, from0, mem = m["items_gathered"], m["bytes_to_rank0"], m["bytes_from_rank0"], m["peak_mem_bytes"]
     else:
-        fit = f"extrapolated (linear fit from N={','.join(map(str, (min(coord), max(coord))))})"
+        fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
         for phase in coord[max(coord)]["phase_s"]:
             if phase in PER_RANK_PHASES:  # each rank's work on its own plan: does not grow with N
                 phase_s[phase] = coord[max(coord)]["phase_s"][phase]
@@ -174,7 +175,7 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
         last_two = sorted(valid)[-2:]
         basis["validate"] = f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
     planning = {k: v for k, v in phase_s.items() if not k.startswith(FINISH_PREFIX)}
-    fit_from = sorted(set(coord) if n not in coord else set()) + ([] if n in valid or not valid else sorted(valid)[-2:])
+    fit_from = (sorted(coord)[-2:] if n not in coord else []) + ([] if n in valid or not valid else sorted(valid)[-2:])
     return {
         "stack": stack, "torch": torch_version, "planner": planner, "layout": str(layout), "mode": opts.mode,
         "save": save, "ranks": n, "items_gathered": int(items), "bytes_to_rank0": int(to0),
