@@ -64,6 +64,11 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     killed_at = float((tmp_path / "results" / "killed_at").read_text())
     assert killed_at > start
     assert max(r["error_time_s"] for r in reports.values()) - killed_at < 30, "survivors must fail within 30 s"
+    from ckptdoctor.diagnose import diagnose
+
+    diagnosis = diagnose([tmp_path / "train.log"])  # the fault test's own log, read by the diagnoser
+    assert diagnosis["error_kind"] == "peer-closed" and set(diagnosis["ranks"]) <= {0, 1, 3}
+    assert diagnosis["causes"][0]["cause"].startswith("another rank died")
     root = tmp_path / "checkpoints"
     assert ScalableCheckpointing.latest(root) == root / "step-1" / "accelerator"
     assert not (root / "step-2" / "accelerator").exists()

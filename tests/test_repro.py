@@ -92,3 +92,14 @@ def test_the_fix_completes_at_the_stock_deadline_and_round_trips_bit_exactly(whi
     assert report["gloo_error"] is None and set(report["rank_status"].values()) == {"ok"}
     assert report["save_ok"] is True and report["model_save_ok"] and report["optimizer_save_ok"]
     assert report["roundtrip_bitexact"] is True, report["roundtrip_differences"]
+
+
+def test_diagnose_reads_the_reproductions_own_log(sft):
+    from ckptdoctor.diagnose import diagnose
+
+    report = diagnose([sft["log"]])
+    assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
+        ("save", "optimizer", "plan-scatter", "broadcast")
+    assert report["ranks"] == list(range(1, 8)) and report["waiting_on"] == [0]
+    assert report["timeout_ms"] == int(re.search(r"waiting (\d+)ms", sft["gloo_error"]).group(1))
+    assert (report["torch"], report["accelerate"]) == installed_versions()

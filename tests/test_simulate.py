@@ -135,3 +135,36 @@ def test_check_warns_and_names_the_fix(tmp_path):
     stock = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "stock"}
     ours = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "ours"}
     assert ours["optimizer"] < stock["optimizer"]
+
+
+def _described(metadata) -> dict:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    return {k: "bytes" if isinstance(v, BytesStorageMetadata) else
+            (tuple(v.size), str(v.properties.dtype), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
+            for k, v in metadata.state_dict_metadata.items()}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp:4"])
+@pytest.mark.parametrize("mode", ["sft", "lora"])
+def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mode):
+    """MOVA's structure at 16 ranks (tiny widths, so many tensors are narrower than the shard
+    group and share empty chunks): same tensors, chunks and bytes, each item written once."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from ckptdoctor.planner import build_metadata
+    from ckptdoctor.simulate import _default_metadata, rank_plans
+
+    specs = parameter_specs(SHAPE, mode)
+    try:
+        for save in ("model", "optimizer"):
+            stock = [plan for plan, _ in rank_plans(save, specs, 16, Layout.parse(layout), "stock")]
+            ours = [plan for plan, _ in rank_plans(save, specs, 16, Layout.parse(layout), "ours")]
+            _, stock_md = _default_metadata(DefaultSavePlanner()._dedup_save_plans(stock))
+            ours_md = build_metadata(ours)
+            assert _described(ours_md) == _described(stock_md)
+            chunks = sum(1 if d == "bytes" else len(d[2]) for d in _described(ours_md).values())
+            assert sum(len(p.items) for p in ours) == chunks  # every item written exactly once
+            assert sum(len(p.items) for p in stock) > chunks  # and stock did ship duplicates
+    finally:
+        _destroy()

@@ -222,31 +222,39 @@ def _fmt_b(n: float) -> str:
 
 
 def plot(records: list[dict], path: str) -> None:
+    """One panel per save; colour = torch and planner, line style = layout; the deadline in red."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    series = {}
-    for r in records:
-        series.setdefault((r["torch"], r["planner"], r["layout"], r["save"]), []).append(r)
-    for (torch_v, planner, layout, save), rows in sorted(series.items()):
-        rows.sort(key=lambda r: r["ranks"])
-        xs, ys = [r["ranks"] for r in rows], [max(r["coordinator_s"], 1e-3) for r in rows]
-        line, = ax.plot(xs, ys, marker="", label=f"torch {torch_v} {planner}, {layout}, {save} save",
-                        linestyle="-" if save == "optimizer" else ":")
-        for r, y in zip(rows, ys):
-            ax.plot(r["ranks"], y, "o", color=line.get_color(), fillstyle="full" if r["measured"] else "none")
-    ax.axhline(DEADLINE_S, color="red", linestyle="--", linewidth=1)
-    ax.text(8, DEADLINE_S * 1.15, "gloo default deadline: 30 min", color="red", fontsize=8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks (N)")
-    ax.set_ylabel("rank 0 planning time per save (s)")
-    ax.set_title("MOVA save: rank 0's plan work (filled: measured, hollow: extrapolated)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    saves = [s for s in ("optimizer", "model") if any(r["save"] == s for r in records)]
+    fig, axes = plt.subplots(1, len(saves), figsize=(6.5 * len(saves), 5.5), sharey=True, squeeze=False)
+    series = sorted({(r["torch"], r["planner"]) for r in records})
+    colours = {key: plt.cm.tab10(i) for i, key in enumerate(series)}
+    styles = {layout: style for layout, style in zip(sorted({r["layout"] for r in records}), ("-", "--", ":", "-."))}
+    for ax, save in zip(axes[0], saves):
+        for (torch_v, planner) in series:
+            for layout, style in styles.items():
+                rows = sorted((r for r in records if (r["torch"], r["planner"], r["layout"], r["save"]) ==
+                               (torch_v, planner, layout, save)), key=lambda r: r["ranks"])
+                if not rows:
+                    continue
+                xs, ys = [r["ranks"] for r in rows], [max(r["coordinator_s"], 1e-2) for r in rows]
+                colour = colours[(torch_v, planner)]
+                ax.plot(xs, ys, style, color=colour, label=f"torch {torch_v}, {planner}, {layout}")
+                for r, y in zip(rows, ys):
+                    ax.plot(r["ranks"], y, "o", color=colour, fillstyle="full" if r["measured"] else "none")
+        ax.axhline(DEADLINE_S, color="red", linestyle="--", linewidth=1)
+        ax.text(xs[0], DEADLINE_S * 1.2, "gloo default deadline: 30 min", color="red", fontsize=8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks (N)")
+        ax.set_title(f"{save} save")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("rank 0 planning time (s)")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"MOVA {records[0]['mode']}: rank 0's share of a DCP save (filled: measured, hollow: extrapolated)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
