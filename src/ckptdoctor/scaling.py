@@ -166,7 +166,9 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
         items = _extrapolate_linear({r: c["items_gathered"] for r, c in coord.items()}, n)
         to0 = _extrapolate_linear({r: c["bytes_to_rank0"] for r, c in coord.items()}, n)
         from0 = _extrapolate_linear({r: c["bytes_from_rank0"] for r, c in coord.items()}, n)
-        mem = _extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n)
+        # a peak does not shrink with more data: never below what the measured points reached
+        mem = max(_extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n),
+                  max(c["peak_mem_bytes"] for c in coord.values()))
     if sampled and n in valid:
         phase_s["validate"] = valid[n]
         basis["validate"] = "measured on a sample (one tensor per shape, scaled by count)"
