@@ -75,3 +75,35 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     resumed = launch([str(job), "resume", str(spec_path)], 4, tmp_path / "resume.log", timeout_s=600)
     assert resumed.returncodes == [0] * 4, (tmp_path / "resume.log").read_text()[-3000:]
     assert json.loads((tmp_path / "results" / "resume0.json").read_text())["loaded"].endswith("step-1/accelerator")
+
+
+@pytest.mark.slow
+def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit_exactly(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ckptdoctor.config import TrainingConfig
+    from ckptdoctor.launcher import launch
+    from ckptdoctor.model import MovaShape
+    from ckptdoctor.worker import WorkerSpec
+
+    def run(name, resume_step=None):
+        results = tmp_path / name / "results"
+        results.mkdir(parents=True)
+        spec = WorkerSpec(TrainingConfig(world_size=4, max_steps=3, save_interval=1), MovaShape(),
+                          str(tmp_path / name / "checkpoints"), str(results), checkpoint_deadline_s=600.0, fix=True,
+                          resume_step=resume_step)
+        (tmp_path / name / "spec.json").write_text(spec.to_json())
+        job = launch(["-m", "ckptdoctor.worker", str(tmp_path / name / "spec.json")], 4, tmp_path / name / "job.log",
+                     timeout_s=900)
+        assert job.returncodes == [0] * 4, (tmp_path / name / "job.log").read_text()[-3000:]
+        return [json.loads((results / f"rank{r}.json").read_text())["losses"] for r in range(4)]
+
+    straight = run("straight")
+    (tmp_path / "resumed" / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step-1", tmp_path / "resumed" / "checkpoints" / "step-1")
+    resumed = run("resumed", resume_step=1)
+    assert all(len(losses) == 3 for losses in straight)
+    assert resumed == [losses[1:] for losses in straight]  # steps 2 and 3, every rank, bit for bit
+    assert straight[0][1] != straight[0][2]  # the losses move: equality is not trivial

@@ -32,6 +32,7 @@ class WorkerSpec:
     checkpoint_deadline_s: float
     training_timeout_s: float = 1800.0
     fix: bool = False
+    resume_step: int | None = None  # load step-<N>/accelerator from output_dir (with the fix) before training
     # Time gloo operations (calibration). Off in the reproduction itself, so that its
     # tracebacks hold torch's and Accelerate's frames only, as the report's do.
     time_collectives: bool = False
@@ -118,6 +119,8 @@ def run(spec: WorkerSpec) -> int:
         save_hook = FixedSave(checkpoint_timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)
     try:
         trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, training_group, save_hook)
+        if spec.resume_step is not None:
+            resume(trainer, spec, save_hook)
         result = trainer.train()
     except BaseException as error:
         report.write(status="failed", error_type=type(error).__name__, error=str(error).strip(),
@@ -127,6 +130,19 @@ def run(spec: WorkerSpec) -> int:
     report.write(status="ok", losses=result.losses, saved_steps=result.saved_steps, roundtrip_differences=roundtrip)
     dist.destroy_process_group()
     return 0
+
+
+def resume(trainer, spec: WorkerSpec, save_hook) -> None:
+    """Continue from a published checkpoint, as MOVA's _resume_checkpoint would with the fix."""
+    from .checkpointing import ScalableCheckpointing
+    from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
+
+    checkpointing = ScalableCheckpointing(trainer.accelerator,
+                                          timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)
+    checkpointing.load_state(trainer.step_dir(spec.resume_step) / "accelerator")
+    trainer.step = spec.resume_step
+    if save_hook is not None:
+        save_hook.checkpointing = checkpointing
 
 
 def main(argv: list[str] | None = None) -> int:
