@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 import time
 from pathlib import Path
 
