@@ -148,7 +148,7 @@ class ScalableCheckpointing:
             dcp.save, dcp.load = original_save, original_load
 
 
-def _store():
+def job_store():
     """The job's TCP store (torch keeps it privately; 2.8 and 2.14 expose it the same way)."""
     import torch.distributed as dist
 
@@ -166,7 +166,7 @@ class Heartbeat:
 
     def _beat(self) -> None:
         try:
-            store = _store()
+            store = job_store()
             while True:
                 store.add(self.key, 1)
                 if self._stop.wait(self.interval_s):
@@ -187,7 +187,7 @@ def ranks_gone(prefix: str, rank: int, world_size: int, wait_s: float = 3 * HEAR
     up first marks itself), watched for `wait_s`. The store lives in rank 0's process: when
     it is unreachable, rank 0 is gone."""
     try:
-        store = _store()
+        store = job_store()
         store.set(f"{prefix}aborted/{rank}", "1")
         keys = [f"{prefix}beat/{r}" for r in range(world_size)]
         before = [store.add(k, 0) for k in keys]

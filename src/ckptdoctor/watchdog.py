@@ -128,10 +128,10 @@ class SaveWatchdog(logging.Handler):
 
 
 def _default_store():
-    """The job's TCP store, if torch exposes it (torch 2.8 and 2.14 do, privately)."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
+    """The job's TCP store, or None (then no cross-rank summary; each rank still reports itself)."""
+    from .checkpointing import job_store
 
-        return _get_default_store()
-    except Exception:  # no store: no cross-rank summary, each rank still reports itself
+    try:
+        return job_store()
+    except Exception:  # noqa: BLE001
         return None
