@@ -10,3 +10,12 @@ EVIDENCE = REPO / "tests" / "data" / "user_report_gloo_timeout.txt"
 @pytest.fixture
 def user_report_text() -> str:
     return EVIDENCE.read_text()
+
+
+def describe_metadata(metadata) -> dict:
+    """What DCP metadata says was saved: per key "bytes", or (size, dtype, sorted chunks)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    return {key: "bytes" if isinstance(value, BytesStorageMetadata) else
+            (tuple(value.size), str(value.properties.dtype), sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
+            for key, value in metadata.state_dict_metadata.items()}

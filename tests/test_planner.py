@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ckptdoctor.launcher import launch
+from conftest import describe_metadata
 from ckptdoctor.planner import assign_owners, owned_items, validate_chunks
 
 JOB = Path(__file__).parent / "jobs" / "planner_job.py"
@@ -90,6 +91,77 @@ def test_every_replicated_item_has_exactly_one_owner_and_loads_are_balanced(size
         assert max(loads.values()) <= sum(sizes.values()) / min(world, len(sizes)) + max(sizes.values())
 
 
+# -- random state dicts: rank 0's derived metadata is stock's, and is what the ranks write ---
+
+def fake_world(rank: int, world: int, mesh_shape: tuple[int, ...]):
+    """A process group that only gives this process its rank (torch's fake backend)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    return init_device_mesh("cpu", mesh_shape)
+
+
+@st.composite
+def random_state_dicts(draw):
+    """(world, mesh shape, DTensor specs, plain tensor shapes, bytes values)."""
+    world = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    mesh_shape = draw(st.sampled_from([(world,)] + ([(2, world // 2)] if world % 2 == 0 and world > 2 else [])))
+    dtensors = []
+    for _ in range(draw(st.integers(1, 4))):
+        shape = tuple(draw(st.lists(st.integers(1, 10), min_size=1, max_size=3)))
+        placements = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh_shape)  # None: Replicate
+        dtensors.append((shape, placements))
+    plain = draw(st.lists(st.lists(st.integers(1, 5), max_size=2).map(tuple), max_size=2))
+    values = draw(st.lists(st.integers(0, 99), max_size=2))
+    return world, mesh_shape, dtensors, plain, values
+
+
+def build_random(mesh, dtensors, plain, values) -> dict:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from ckptdoctor.simulate import _meta_dtensor
+
+    state = {f"d{i}": _meta_dtensor(shape, mesh, [Replicate() if p is None else Shard(p) for p in placements])
+             for i, (shape, placements) in enumerate(dtensors)}
+    state |= {f"p{i}": torch.empty(shape, device="meta") for i, shape in enumerate(plain)}
+    return state | {f"b{i}": value for i, value in enumerate(values)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_state_dicts())
+def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
+    from test_simulate import listed_items, written_items
+
+    world, mesh_shape, dtensors, plain, values = case
+    stock_plans, owned_plans = [], []
+    try:
+        for rank in range(world):
+            mesh = fake_world(rank, world, mesh_shape)
+            stock, ours = DefaultSavePlanner(), ScalableSavePlanner()
+            stock.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
+            ours.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
+            stock_plans.append(stock.create_local_plan())
+            ours.create_local_plan()
+            assert ours.mode == "derived"
+            owned_plans.append(ours.plan)
+            if rank == 0:
+                derived = MeshIndex(list(range(world))).metadata(ours.all_items, ours.state_dict)
+    finally:
+        fake_world(0, 1, (1,))
+    _, stock_md = create_default_global_save_plan(DefaultSavePlanner()._dedup_save_plans(stock_plans))
+    assert describe_metadata(derived) == describe_metadata(stock_md)
+    assert validate_chunks(derived) == []
+    assert sorted(written_items(owned_plans)) == sorted(listed_items(derived))  # nothing unwritten, nothing twice
+
+
 # -- real gloo jobs: save, compare with stock, load at other world sizes -----------------
 
 def run(tmp_path: Path, world: int, *args, env=None) -> list[dict]:
@@ -99,16 +171,7 @@ def run(tmp_path: Path, world: int, *args, env=None) -> list[dict]:
 
 
 def described(path: Path) -> dict:
-    """What the metadata says was saved: per key, the size and dtype and the set of chunks."""
-    md = FileSystemReader(str(path)).read_metadata()
-    out = {}
-    for key, value in md.state_dict_metadata.items():
-        if isinstance(value, BytesStorageMetadata):
-            out[key] = "bytes"
-        else:
-            out[key] = (tuple(value.size), str(value.properties.dtype),
-                        sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
-    return out
+    return describe_metadata(FileSystemReader(str(path)).read_metadata())
 
 
 def writers(path: Path) -> dict[str, list[str]]:
@@ -125,8 +188,10 @@ def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(t
     ours, stock, resaved = tmp_path / "ours", tmp_path / "stock", tmp_path / "resaved"
     saved = run(tmp_path, 8, "save", ours, "ours")
     run(tmp_path, 8, "save", stock, "stock")
-    assert all(r["replicas_agree"] for r in saved)
-    assert described(ours) == described(stock)
+    owned = run(tmp_path, 8, "save", tmp_path / "owned", "ours-owned")
+    assert [r["mode"] for r in saved] == ["derived"] * 8  # rank 0 described every rank's chunks alone
+    assert [r["mode"] for r in owned] == ["owned"] * 8
+    assert described(ours) == described(stock) == described(tmp_path / "owned")
     held = writers(ours)
     md = FileSystemReader(str(ours)).read_metadata()
     chunks = sum(1 if isinstance(v, BytesStorageMetadata) else len(v.chunks) for v in md.state_dict_metadata.values())
@@ -145,6 +210,7 @@ def test_ranks_that_disagree_on_replicated_keys_fall_back_to_stock_dedup(tmp_pat
     ours = tmp_path / "ours"
     saved = run(tmp_path, 4, "save", ours, "ours", env={"EXTRA_KEY_ON_RANK": "1"})
     assert [r["replicas_agree"] for r in saved] == [False] * 4
+    assert [r["mode"] for r in saved] == ["stock"] * 4
     md = described(ours)
     assert "plain.only_here" in md  # the key only rank 1 holds is saved, not dropped
     assert all(len(files) == 1 for files in writers(ours).values())

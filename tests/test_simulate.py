@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from ckptdoctor.errors import BadLayout
+from conftest import describe_metadata
 from ckptdoctor.model import MovaShape
 from ckptdoctor.scaling import _extrapolate_linear, _extrapolate_power
 from ckptdoctor.simulate import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
@@ -137,14 +138,6 @@ def test_check_warns_and_names_the_fix(tmp_path):
     assert ours["optimizer"] < stock["optimizer"]
 
 
-def _described(metadata) -> dict:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
-
-    return {k: "bytes" if isinstance(v, BytesStorageMetadata) else
-            (tuple(v.size), str(v.properties.dtype), sorted((tuple(c.offsets), tuple(c.sizes)) for c in v.chunks))
-            for k, v in metadata.state_dict_metadata.items()}
-
-
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp:4"])
 @pytest.mark.parametrize("mode", ["sft", "lora"])
 def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mode):
@@ -152,8 +145,8 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     group and share empty chunks): same tensors, chunks and bytes, each item written once."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from ckptdoctor.planner import build_metadata
-    from ckptdoctor.simulate import _default_metadata, rank_plans
+    from ckptdoctor.planner import MeshIndex, build_metadata
+    from ckptdoctor.simulate import _default_metadata, build_state_dict, init_fake_world, rank_plans, scalable_local_plan
 
     specs = parameter_specs(SHAPE, mode)
     try:
@@ -162,9 +155,24 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
             ours = [plan for plan, _ in rank_plans(save, specs, 16, Layout.parse(layout), "ours")]
             _, stock_md = _default_metadata(DefaultSavePlanner()._dedup_save_plans(stock))
             ours_md = build_metadata(ours)
-            assert _described(ours_md) == _described(stock_md)
-            chunks = sum(1 if d == "bytes" else len(d[2]) for d in _described(ours_md).values())
+            assert describe_metadata(ours_md) == describe_metadata(stock_md)
+            chunks = sum(1 if d == "bytes" else len(d[2]) for d in describe_metadata(ours_md).values())
             assert sum(len(p.items) for p in ours) == chunks  # every item written exactly once
+            planner, _ = scalable_local_plan(build_state_dict(save, specs, Layout.parse(layout),
+                                                              init_fake_world(0, 16, Layout.parse(layout))))
+            derived = MeshIndex(list(range(16))).metadata(planner.all_items, planner.state_dict)
+            assert describe_metadata(derived) == describe_metadata(stock_md)  # rank 0 alone, from its own state dict
+            assert sorted(written_items(ours)) == sorted(listed_items(derived))  # what is listed is what is written
             assert sum(len(p.items) for p in stock) > chunks  # and stock did ship duplicates
     finally:
         _destroy()
+
+
+def written_items(plans) -> list[tuple]:
+    return [(item.index.fqn, tuple(item.index.offset or ())) for plan in plans for item in plan.items]
+
+
+def listed_items(metadata) -> list[tuple]:
+    return [(key, tuple(chunk.offsets)) for key, md in metadata.state_dict_metadata.items()
+            for chunk in getattr(md, "chunks", [])] + \
+           [(key, ()) for key, md in metadata.state_dict_metadata.items() if not hasattr(md, "chunks")]

@@ -12,8 +12,16 @@ quadratic in the shard count). This planner changes exactly those two things:
   rank; one small all-reduce of a digest of the plan's structure confirms it, and when
   ranks disagree every rank keeps everything and the coordinator falls back to stock dedup.
   For DTensors the mesh says who holds a copy: replicas along Replicate mesh dimensions.
+* derived metadata: a DTensor's chunks on every rank follow from its global shape, mesh and
+  placements (torch's own `_compute_local_shape_and_global_offset`, the function every rank's
+  local plan came from). When every rank confirms in the same all-reduce that its plan is
+  derivable that way, ranks send rank 0 an empty plan instead of their items, and rank 0
+  builds the metadata from its own state dict: one chunk list per distinct (shape, mesh,
+  placements), shared by every tensor that has it. Rank 0's work then grows with the
+  distinct shapes times N, not with the tensors times N.
 * validation in time linear in the chunks (coordinate-compressed coverage grid), with the
-  same three verdicts as torch's: chunk in bounds, no overlap, full coverage.
+  same three verdicts as torch's: chunk in bounds, no overlap, full coverage; once per
+  distinct chunk list.
 
 The global plan, the metadata and the files are built by torch's own functions, so stock
 `dcp.load` / `accelerator.load_state` read the checkpoint and can reshard it.
@@ -23,8 +31,10 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import hashlib
 import heapq
+import itertools
 import math
 from collections import ChainMap
 from collections.abc import Callable, Iterable
@@ -33,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -41,35 +52,59 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 class ScalableSavePlanner(DefaultSavePlanner):
     """Drop-in for `DefaultSavePlanner` in `dcp.save(..., planner=ScalableSavePlanner())`.
 
-    `process_group`: the group `dcp.save` runs on (None: the default group); the digest
-    check is one all-reduce of two int64 on it.
+    `process_group`: the group `dcp.save` runs on (None: the default group); the agreement
+    check is one all-reduce of three int64 on it. After `create_local_plan`, `mode` says
+    which path the save took: "derived" (rank 0 builds the metadata alone), "owned" (ranks
+    send their owned items) or "stock" (ranks disagree on the replicated keys: stock dedup).
     """
 
-    def __init__(self, process_group=None, check_replicas: bool = True, **kwargs):
+    def __init__(self, process_group=None, check_replicas: bool = True, derive_metadata: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.process_group = process_group
         self.check_replicas = check_replicas
-        self.replicas_agree = True
+        self.derive_metadata = derive_metadata
+        self.mode = "owned"
+
+    @property
+    def replicas_agree(self) -> bool:
+        return self.mode != "stock"
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        if dist.is_available() and dist.is_initialized() and self.check_replicas:
-            digest = structure_digest(plan.items, self.state_dict, getattr(self, "mappings", {}))
-            self.replicas_agree = _all_ranks_agree(digest, self.process_group)
-        if self.replicas_agree and dist.is_initialized():
-            rank, world = dist.get_rank(self.process_group), dist.get_world_size(self.process_group)
-            plan = dataclasses.replace(plan, items=owned_items(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
-                                                               rank, world))
-            if rank != 0:  # the flatten mapping is the same on every rank (in the digest): rank 0's is enough
-                plan = dataclasses.replace(plan, planner_data={})
-        self.plan = plan
-        return plan
+        if not (dist.is_available() and dist.is_initialized()):
+            self.plan = plan
+            return plan
+        group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+        agree, derivable = True, False
+        if self.check_replicas:
+            meshes = MeshIndex(group_ranks)
+            digest = structure_digest(plan.items, self.state_dict, getattr(self, "mappings", {}), meshes)
+            local_derivable = self.derive_metadata and meshes.plan_is_derivable(plan.items, self.state_dict)
+            agree, derivable = _all_ranks_agree(digest, local_derivable, self.process_group)
+        self.mode = "stock" if not agree else "derived" if derivable else "owned"
+        if self.mode == "stock":
+            self.plan = plan
+            return plan
+        rank = dist.get_rank(self.process_group)
+        self.all_items = plan.items  # rank 0 describes every rank's chunks from its own items
+        self.plan = dataclasses.replace(plan, items=owned_items(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
+                                                                rank, len(group_ranks)))
+        # the flatten mapping is the same on every rank (in the digest): rank 0's is enough
+        planner_data = plan.planner_data if rank == 0 else {}
+        if self.mode == "derived":
+            return SavePlan([], planner_data=planner_data)
+        return dataclasses.replace(self.plan, planner_data=planner_data)
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        if self.replicas_agree:
+        if self.mode != "stock":
             # Items are unique by construction: no dedup, and every rank already holds its final
             # plan, so only an empty "use your own" plan is scattered (SavePlan.usable=False).
-            metadata, global_plan = build_metadata(all_plans), [SavePlan([], usable=False) for _ in all_plans]
+            if self.mode == "derived":
+                group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
+                metadata = MeshIndex(group_ranks).metadata(self.all_items, self.state_dict)
+            else:
+                metadata = build_metadata(all_plans)
+            global_plan = [SavePlan([], usable=False) for _ in all_plans]
         else:  # ranks hold different replicated keys: stock dedup decides who writes what
             global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
         if self.flatten_state_dict:
@@ -108,6 +143,89 @@ def build_metadata(plans: list[SavePlan]) -> Metadata:
     return Metadata(md)
 
 
+# -- derived metadata --------------------------------------------------------------------
+
+class MeshIndex:
+    """Every rank's chunk of a DTensor, from its global shape, mesh and placements.
+
+    `group_ranks`: the global ranks of the save's process group, in group-rank order. A
+    mesh qualifies only when it holds exactly those ranks, so that the chunks derived for
+    its coordinates are the chunks the group's ranks write."""
+
+    def __init__(self, group_ranks: list[int]):
+        self.group_ranks = list(group_ranks)
+        self._coordinates: dict[int, list[tuple[int, ...]] | None] = {}
+        self._signatures: dict[int, str] = {}
+        self._chunk_lists: dict[tuple, list[ChunkStorageMetadata]] = {}
+
+    def coordinates(self, mesh) -> list[tuple[int, ...]] | None:
+        """The mesh coordinate of each rank of the group, in group-rank order (None: the
+        mesh is not the group's ranks)."""
+        if id(mesh) not in self._coordinates:
+            ranks = mesh.mesh.flatten().tolist()
+            where = dict(zip(ranks, itertools.product(*map(range, mesh.mesh.shape))))  # row-major, as flatten
+            same = len(ranks) == len(self.group_ranks) and set(ranks) == set(self.group_ranks)
+            self._coordinates[id(mesh)] = [where[r] for r in self.group_ranks] if same else None
+        return self._coordinates[id(mesh)]
+
+    def signature(self, mesh) -> str:
+        """The mesh's shape and ranks, for the structure digest."""
+        if id(mesh) not in self._signatures:
+            ranks = mesh.mesh.flatten().tolist()
+            self._signatures[id(mesh)] = f"{tuple(mesh.mesh.shape)}:{hashlib.sha256(str(ranks).encode()).hexdigest()[:16]}"
+        return self._signatures[id(mesh)]
+
+    def chunks(self, value: DTensor) -> list[ChunkStorageMetadata]:
+        """The distinct chunks of all the group's ranks, in group-rank order of first holder;
+        one list per (shape, mesh, placements), shared by every tensor that has them."""
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+        mesh = value.device_mesh
+        key = (tuple(value.shape), id(mesh), tuple(value.placements))
+        if key not in self._chunk_lists:
+            seen = {}
+            for coordinate in self.coordinates(mesh):
+                sizes, offsets = _compute_local_shape_and_global_offset(key[0], tuple(mesh.mesh.shape),
+                                                                       list(coordinate), value.placements)
+                if (tuple(offsets), tuple(sizes)) not in seen:  # replicas, and the empty chunk past a narrow dim
+                    seen[tuple(offsets), tuple(sizes)] = ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                              sizes=torch.Size(sizes))
+            self._chunk_lists[key] = list(seen.values())
+        return self._chunk_lists[key]
+
+    def plan_is_derivable(self, items: list[WriteItem], state_dict: dict) -> bool:
+        """Whether every sharded item is a plain DTensor over the group's ranks whose chunk
+        is the one derived for this rank's coordinate."""
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+        for item in items:
+            if item.type != WriteItemType.SHARD:
+                continue
+            value = state_dict.get(item.index.fqn)
+            if type(value) is not DTensor or self.coordinates(value.device_mesh) is None:
+                return False
+            mesh = value.device_mesh
+            sizes, offsets = _compute_local_shape_and_global_offset(tuple(value.shape), tuple(mesh.mesh.shape),
+                                                                   mesh.get_coordinate(), value.placements)
+            chunk = item.tensor_data.chunk
+            if (tuple(chunk.offsets), tuple(chunk.sizes)) != (tuple(offsets), tuple(sizes)):
+                return False
+        return True
+
+    def metadata(self, items: list[WriteItem], state_dict: dict) -> Metadata:
+        """The global metadata from one rank's full local plan (every rank holds the same keys)."""
+        md: dict = {}
+        for item in items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                md[fqn] = BytesStorageMetadata()
+                continue
+            td = item.tensor_data
+            chunks = self.chunks(state_dict[fqn]) if item.type == WriteItemType.SHARD else [td.chunk]
+            md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=chunks)
+        return Metadata(md)
+
+
 # -- ownership --------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -134,21 +252,27 @@ class Placement:
                 index, count = index * self.mesh_shape[dim] + self.coordinate[dim], count * self.mesh_shape[dim]
         return (index, count) if count > 1 else None
 
-    def first_holder_of_empty_chunk(self, offsets) -> bool:
-        """Ranks past the end of a dimension smaller than the shard group all hold the same
-        empty chunk (same index; stock dedup keeps one). Keep it where the previous
-        coordinate along every sharding mesh dimension holds a different chunk."""
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    def first_holder_of_empty_chunk(self, offsets, sizes) -> bool:
+        """Ranks past the end of a dimension smaller than the shard group can hold the same
+        empty chunk (same index; stock dedup keeps one). Among the coordinates that share
+        this rank's Replicate coordinates (the replica rule picks among those), keep it at the
+        first one, in row-major order, that holds it."""
+        fixed = tuple(c if isinstance(p, Replicate) else None for c, p in zip(self.coordinate, self.placements))
+        holders = _first_holders(self.global_shape, self.mesh_shape, self.placements, fixed)
+        return holders[tuple(offsets), tuple(sizes)] == self.coordinate
 
-        for dim, placement in enumerate(self.placements):
-            if isinstance(placement, Shard) and self.coordinate[dim] > 0:
-                before = list(self.coordinate)
-                before[dim] -= 1
-                _, previous = _compute_local_shape_and_global_offset(self.global_shape, self.mesh_shape, before,
-                                                                      self.placements)
-                if tuple(previous) == tuple(offsets):
-                    return False
-        return True
+
+@functools.lru_cache(maxsize=1024)
+def _first_holders(global_shape, mesh_shape, placements, fixed) -> dict:
+    """(offsets, sizes) -> the first coordinate holding that chunk, over the coordinates that
+    equal `fixed` where it is not None. Cached: every narrow tensor of one shape shares it."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    first = {}
+    for coordinate in itertools.product(*[range(n) if f is None else (f,) for n, f in zip(mesh_shape, fixed)]):
+        sizes, offsets = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements)
+        first.setdefault((tuple(offsets), tuple(sizes)), coordinate)
+    return first
 
 
 def item_bytes(item: WriteItem) -> int:
@@ -192,31 +316,34 @@ def owned_items(items: list[WriteItem], placement_of: Callable[[str], Placement 
         else:
             keep = fqn not in slots or shard_owner[fqn] == slots[fqn][0]
             if keep and placements.get(fqn) is not None and math.prod(item.tensor_data.chunk.sizes) == 0:
-                keep = placements[fqn].first_holder_of_empty_chunk(item.index.offset)
+                keep = placements[fqn].first_holder_of_empty_chunk(item.index.offset, item.tensor_data.chunk.sizes)
         if keep:
             kept.append(item)
     return kept
 
 
-def structure_digest(items: list[WriteItem], state_dict: dict, mappings: dict | None = None) -> int:
-    """A 63-bit digest of what the plan holds (keys, types, global sizes, dtypes, and the
-    flatten mapping), not of the values."""
+def structure_digest(items: list[WriteItem], state_dict: dict, mappings: dict | None = None,
+                     meshes: "MeshIndex | None" = None) -> int:
+    """A 63-bit digest of what the plan holds (keys, types, global sizes, dtypes, placements
+    and meshes, and the flatten mapping), not of the values."""
     rows = [f"mapping|{key}|{path}" for key, path in (mappings or {}).items()]
     for item in items:
         td = item.tensor_data
         value = state_dict.get(item.index.fqn)
-        placements = str(value.placements) if isinstance(value, DTensor) else ""
+        placement = ""
+        if isinstance(value, DTensor):
+            placement = f"{value.placements}|{meshes.signature(value.device_mesh) if meshes else ''}"
         rows.append(f"{item.index.fqn}|{item.type.name}|{None if td is None else tuple(td.size)}|"
-                    f"{None if td is None else td.properties.dtype}|{placements}")
+                    f"{None if td is None else td.properties.dtype}|{placement}")
     digest = hashlib.sha256("\n".join(sorted(rows)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def _all_ranks_agree(value: int, group) -> bool:
-    """One all-reduce: MIN of (v, -v) gives (min v, -max v)."""
-    both = torch.tensor([value, -value], dtype=torch.int64)
+def _all_ranks_agree(value: int, derivable: bool, group) -> tuple[bool, bool]:
+    """One all-reduce: MIN of (v, -v, derivable) gives (min v, -max v, all derivable)."""
+    both = torch.tensor([value, -value, int(derivable)], dtype=torch.int64)
     dist.all_reduce(both, op=dist.ReduceOp.MIN, group=group)
-    return int(both[0]) == -int(both[1])
+    return int(both[0]) == -int(both[1]), int(both[2]) == 1
 
 
 # -- linear validation -------------------------------------------------------------------
@@ -225,11 +352,15 @@ MAX_GRID_CELLS_PER_CHUNK = 64  # beyond this the chunks do not form a grid: chec
 
 
 def validate_chunks(metadata: Metadata) -> list[str]:
-    """torch's three checks on every tensor (bounds, overlap, coverage); [] when valid."""
-    problems = []
+    """torch's three checks on every tensor (bounds, overlap, coverage); [] when valid.
+    A chunk list shared by several tensors of one size is checked once."""
+    problems, checked = [], set()
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata) or len(md.size) == 0:
             continue
+        if (id(md.chunks), tuple(md.size)) in checked:
+            continue
+        checked.add((id(md.chunks), tuple(md.size)))
         problems += _validate_tensor(key, tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
     return problems
 

@@ -7,8 +7,10 @@ measurement would take hours:
 * the per-item phases (unpickling, dedup, metadata, pickling, finish) are measured with
   every rank's plan materialised up to `max_measured` ranks and extrapolated linearly in N
   beyond (every rank sends the same number of items, so the work grows with N);
-* with `planner="ours"` (ScalableSavePlanner) every phase, validation included, is linear in
-  the chunks and comes from the same materialised measurement;
+* with `planner="ours"` (ScalableSavePlanner) rank 0 plans from its own state dict, so its
+  planning is measured in full at every N (`measure_planning_ours`); its finish step (the
+  write results every rank sends) is per item like stock's and comes from the materialised
+  measurement;
 * stock validation is measured on a sample (one tensor per distinct shape, weighted by count) up
   to `max_validated` ranks and extrapolated beyond with the power law fitted on the last
   two measured points (quadratic on torch 2.8.0).
@@ -34,7 +36,8 @@ from .stacks import STACKS
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
-PER_RANK_PHASES = ("ownership (every rank)",)
+PER_RANK_PHASES = ("ownership (every rank)", "local plan (every rank)")
+TOTALS = ("items_gathered", "bytes_to_rank0", "bytes_from_rank0", "peak_mem_bytes")
 
 
 @dataclasses.dataclass
@@ -83,6 +86,10 @@ def _jobs(opts: ScalingOptions):
                         if layout.kind == "fsdp" or n % layout.shard == 0:
                             yield ("coordinator", stack, str(layout), save, n, planner), stack, base | {
                                 "kind": "coordinator", "ranks": n, "validation_sample": 1, "planner": planner}
+                    for n in sorted(set(opts.ranks) | set(measured)) if planner == "ours" else ():
+                        if layout.kind == "fsdp" or n % layout.shard == 0:
+                            yield ("planning", stack, str(layout), save, n, planner), stack, base | {
+                                "kind": "planning", "ranks": n}
                 for n in validated if "stock" in opts.planners else ():
                     if layout.kind == "fsdp" or n % layout.shard == 0:
                         yield ("validation", stack, str(layout), save, n, "stock"), stack, base | {
@@ -139,54 +146,62 @@ def build_records(opts: ScalingOptions, results: dict) -> list[dict]:
 
 
 def _record(opts, results, stack, layout, save, n, planner) -> dict:
-    key = lambda kind, r, p=planner: (kind, stack, str(layout), save, r, p)  # noqa: E731
+    key = lambda kind, r: (kind, stack, str(layout), save, r, planner)  # noqa: E731
     coord = {r: results[key("coordinator", r)] for r in _measured_ns(results, stack, layout, save, "coordinator", planner)}
-    sampled = planner == "stock"  # stock validation: sampled in its own jobs; ours: linear, measured in full
-    if not sampled:
-        valid = {}
+    phase_s, basis, totals = _from_coordinator(coord, n)
+    if planner == "ours":
+        planned = results[key("planning", n)]
+        phase_s = {k: v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)} | planned["phase_s"]
+        basis = {k: v for k, v in basis.items() if k.startswith(FINISH_PREFIX)} | {k: "measured" for k in planned["phase_s"]}
+        totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
+                  "bytes_from_rank0": planned["bytes_from_rank0"],
+                  "bytes_to_rank0": planned["bytes_to_rank0"] + totals["results_to_rank0"],
+                  "finish_mem_bytes": totals["peak_mem_bytes"]}
+        measured, fit_from = True, [] if n in coord else sorted(coord)[-2:]
     else:
         valid = {r: _validation_s(results[key("validation", r)]["per_class"])
                  for r in _measured_ns(results, stack, layout, save, "validation", planner)}
-    torch_version = next(iter(coord.values()))["torch"]
-    basis, phase_s = {}, {}
+        phase_s["validate"], basis["validate"] = _stock_validation(valid, n)
+        measured = n in coord and n in valid
+        fit_from = ([] if n in coord else sorted(coord)[-2:]) + ([] if n in valid else sorted(valid)[-2:])
+    planning = {k: v for k, v in phase_s.items() if not k.startswith(FINISH_PREFIX)}
+    return {
+        "stack": stack, "torch": next(iter(coord.values()))["torch"], "planner": planner, "layout": str(layout),
+        "mode": opts.mode, "save": save, "ranks": n, **{k: int(v) for k, v in totals.items() if k != "results_to_rank0"},
+        "phase_s": phase_s, "phase_basis": basis, "coordinator_s": sum(planning.values()),
+        "finish_s": sum(v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)),
+        "measured": measured, "fit_from": sorted(set(fit_from)),
+    }
+
+
+def _from_coordinator(coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]:
+    """(phase seconds, their basis, totals) at n from the jobs with every plan materialised:
+    measured at n, else on the straight line through the two largest measured N."""
     if n in coord:
         m = coord[n]
-        phase_s = {k: v for k, v in m["phase_s"].items() if k != "validate" or not sampled}
-        basis.update({k: "measured" for k in phase_s})
-        items, to0, from0, mem = m["items_gathered"], m["bytes_to_rank0"], m["bytes_from_rank0"], m["peak_mem_bytes"]
-    else:
-        fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-        for phase in coord[max(coord)]["phase_s"]:
-            if phase in PER_RANK_PHASES:  # each rank's work on its own plan: does not grow with N
-                phase_s[phase] = coord[max(coord)]["phase_s"][phase]
-                basis[phase] = f"constant in N (measured at N={max(coord)})"
-            elif phase != "validate" or not sampled:
-                phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
-                basis[phase] = fit
-        items = _extrapolate_linear({r: c["items_gathered"] for r, c in coord.items()}, n)
-        to0 = _extrapolate_linear({r: c["bytes_to_rank0"] for r, c in coord.items()}, n)
-        from0 = _extrapolate_linear({r: c["bytes_from_rank0"] for r, c in coord.items()}, n)
-        # a peak does not shrink with more data: never below what the measured points reached
-        mem = max(_extrapolate_linear({r: c["peak_mem_bytes"] for r, c in coord.items()}, n),
-                  max(c["peak_mem_bytes"] for c in coord.values()))
-    if sampled and n in valid:
-        phase_s["validate"] = valid[n]
-        basis["validate"] = "measured on a sample (one tensor per shape, scaled by count)"
-    elif sampled:
-        phase_s["validate"], exponent = _extrapolate_power(valid, n)
-        last_two = sorted(valid)[-2:]
-        basis["validate"] = f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
-    planning = {k: v for k, v in phase_s.items() if not k.startswith(FINISH_PREFIX)}
-    fit_from = (sorted(coord)[-2:] if n not in coord else []) + ([] if n in valid or not valid else sorted(valid)[-2:])
-    return {
-        "stack": stack, "torch": torch_version, "planner": planner, "layout": str(layout), "mode": opts.mode,
-        "save": save, "ranks": n, "items_gathered": int(items), "bytes_to_rank0": int(to0),
-        "bytes_from_rank0": int(from0), "phase_s": phase_s, "phase_basis": basis,
-        "coordinator_s": sum(planning.values()),
-        "finish_s": sum(v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)),
-        "peak_mem_bytes": int(mem), "measured": n in coord and (n in valid or planner == "ours"),
-        "fit_from": sorted(set(fit_from)),
-    }
+        return dict(m["phase_s"]), {k: "measured" for k in m["phase_s"]}, {k: m[k] for k in TOTALS + ("results_to_rank0",)}
+    fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
+    phase_s, basis = {}, {}
+    for phase in coord[max(coord)]["phase_s"]:
+        if phase in PER_RANK_PHASES:  # each rank's work on its own plan: does not grow with N
+            phase_s[phase] = coord[max(coord)]["phase_s"][phase]
+            basis[phase] = f"constant in N (measured at N={max(coord)})"
+        else:
+            phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
+            basis[phase] = fit
+    totals = {k: _extrapolate_linear({r: c[k] for r, c in coord.items()}, n) for k in TOTALS + ("results_to_rank0",)}
+    # a peak does not shrink with more data: never below what the measured points reached
+    totals["peak_mem_bytes"] = max(totals["peak_mem_bytes"], max(c["peak_mem_bytes"] for c in coord.values()))
+    return phase_s, basis, totals
+
+
+def _stock_validation(valid: dict[int, float], n: int) -> tuple[float, str]:
+    """torch's validation: measured on a sample at n, else the power law of the last two N."""
+    if n in valid:
+        return valid[n], "measured on a sample (one tensor per shape, scaled by count)"
+    seconds, exponent = _extrapolate_power(valid, n)
+    last_two = sorted(valid)[-2:]
+    return seconds, f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
 
 
 def _measured_ns(results, stack, layout, save, kind, planner) -> list[int]:
@@ -196,14 +211,15 @@ def _measured_ns(results, stack, layout, save, kind, planner) -> list[int]:
 
 def format_table(records: list[dict]) -> str:
     head = f"{'torch':>7} {'planner':>7} {'layout':>7} {'save':>9} {'N':>5}  {'rank-0 planning':>15} {'of which validate':>17} " \
-           f"{'to rank 0':>10} {'rank-0 mem':>10}  basis"
+           f"{'to rank 0':>10} {'rank-0 mem':>10}  {'then finish':>11}  basis"
     lines = [head, "-" * len(head)]
     for r in records:
         plan = r["coordinator_s"]
         flag = " > 30 min" if plan > DEADLINE_S else ""
         lines.append(f"{r['torch']:>7} {r['planner']:>7} {r['layout']:>7} {r['save']:>9} {r['ranks']:>5}  {_fmt_s(plan):>15} "
                      f"{_fmt_s(r['phase_s']['validate']):>17} {_fmt_b(r['bytes_to_rank0']):>10} "
-                     f"{_fmt_b(r['peak_mem_bytes']):>10}  {'measured' if r['measured'] else 'extrapolated'}{flag}")
+                     f"{_fmt_b(r['peak_mem_bytes']):>10}  {_fmt_s(r['finish_s']):>11}  "
+                     f"{'measured' if r['measured'] else 'extrapolated'}{flag}")
     return "\n".join(lines)
 
 

@@ -222,6 +222,7 @@ class CoordinatorMeasurement:
     items_gathered: int
     bytes_to_rank0: int
     bytes_from_rank0: int
+    results_to_rank0: int  # of bytes_to_rank0: the write results of the finish step
     phase_s: dict[str, float]
     peak_mem_bytes: int
     validated_tensors: tuple[int, int]  # (validated, of) when validation ran on a sample
@@ -316,7 +317,66 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
         ranks=ranks, items_gathered=sum(len(p.items) for p in run.all_plans),
         bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, run.results)),
         bytes_from_rank0=ranks * max(map(len, run.scatter)),  # scatter_object_list pads every plan to the largest
+        results_to_rank0=sum(map(len, run.results)),
         phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=run.validated)
+
+
+def scalable_local_plan(state_dict: dict):
+    """(planner, the plan it sends rank 0): `ScalableSavePlanner`'s local step as rank 0 of
+    the fake world, which must take the derived-metadata path."""
+    from .planner import ScalableSavePlanner
+
+    planner = ScalableSavePlanner()
+    planner.set_up_planner(state_dict, None, True)
+    plan = planner.create_local_plan()
+    if planner.mode != "derived":
+        raise AssertionError(f"ScalableSavePlanner took the {planner.mode!r} path on the simulated state dict")
+    return planner, plan
+
+
+def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats: int = 2) -> dict:
+    """Rank 0's planning with `ScalableSavePlanner` at `ranks` ranks, measured in full at any N.
+
+    Its metadata comes from rank 0's own state dict (planner.py, "derived metadata"), so
+    no other rank's items are needed: every other rank sends the same empty plan, which is
+    what rank 0 unpickles here. The planner's own local step runs under the fake process
+    group (its all-reduce included); the coordinator's phases are the functions its
+    `create_global_plan` calls, timed one by one."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from .planner import MeshIndex, validate_chunks
+
+    state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
+    gc.collect()
+    baseline = _rss_bytes()
+    start = time.process_time()
+    planner, plan0 = scalable_local_plan(state_dict)
+    local_s = time.process_time() - start
+    blobs = [pickle.dumps(plan0)] + [pickle.dumps(dataclasses.replace(plan0, planner_data={}))] * (ranks - 1)
+    timer = _Timer()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+            index = MeshIndex(list(range(ranks)))
+            metadata = timer("build metadata", index.metadata, planner.all_items, planner.state_dict)
+            metadata = timer("merge mappings", _merge_mappings, all_plans, metadata)
+            problems = timer("validate", validate_chunks, metadata)
+            if problems:
+                raise AssertionError(f"ScalableSavePlanner rejected the simulated plan: {problems[:3]}")
+            deltas = [SavePlan([], usable=False) for _ in all_plans]
+            deltas = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan, deltas)
+            scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in deltas])
+            timer.end_repeat()
+    finally:
+        gc.enable()
+    timer.phase_s["local plan (every rank)"] = local_s
+    chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
+    return {"ranks": ranks, "items_gathered": sum(len(p.items) for p in all_plans), "chunks": chunks,
+            "distinct_chunk_lists": len(index._chunk_lists), "bytes_to_rank0": sum(map(len, blobs)),
+            "bytes_from_rank0": ranks * max(map(len, scatter)), "phase_s": timer.phase_s,
+            "peak_mem_bytes": max(0, _peak_rss_bytes() - baseline)}
 
 
 @dataclasses.dataclass
@@ -455,6 +515,8 @@ def main(argv=None) -> int:
         m = measure_coordinator(job["save"], specs, job["ranks"], layout, planner=job.get("planner", "stock"),
                                 validation_sample=job.get("validation_sample"))
         out = dataclasses.asdict(m)
+    elif job["kind"] == "planning":
+        out = measure_planning_ours(job["save"], specs, job["ranks"], layout)
     elif job["kind"] == "validation":
         classes = shape_classes(job["save"], specs)
         out = {"per_class": [[list(shp), count, validation_seconds_per_tensor(shp, job["ranks"], layout)]

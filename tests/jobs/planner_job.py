@@ -1,6 +1,7 @@
 """One rank of a planner test job (started by tests/test_planner.py through ckptdoctor.launcher).
 
     python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
+                                                 (PLANNER: stock, ours, ours-owned = without derived metadata)
     python planner_job.py load DIR               stock dcp.load into this world size, compare
     python planner_job.py load-save DIR OUT      load (compare), then save again with ours
 
@@ -75,10 +76,13 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"rank": rank, "world": world}
     if op == "save":
-        planner = ScalableSavePlanner() if sys.argv[3] == "ours" else dcp.DefaultSavePlanner()
+        planners = {"ours": ScalableSavePlanner, "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False),
+                    "stock": dcp.DefaultSavePlanner}
+        planner = planners[sys.argv[3]]()
         dcp.save(build(rank, world), checkpoint_id=path, planner=planner)
         report["items_written"] = len(planner.plan.items)
         report["replicas_agree"] = getattr(planner, "replicas_agree", None)
+        report["mode"] = getattr(planner, "mode", "stock planner")
     else:
         state = build(rank, world, zeros=True)
         dcp.load(state, checkpoint_id=path)  # stock loader and planner
