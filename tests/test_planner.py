@@ -2,6 +2,8 @@
 
 import collections
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,6 +176,27 @@ def described(path: Path) -> dict:
     return describe_metadata(FileSystemReader(str(path)).read_metadata())
 
 
+READ_WITHOUT_CKPTDOCTOR = """
+import json, sys
+class NoCkptdoctor:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "ckptdoctor":
+            raise ImportError("the checkpoint must not need ckptdoctor")
+sys.meta_path.insert(0, NoCkptdoctor())
+from torch.distributed.checkpoint import FileSystemReader
+md = FileSystemReader(sys.argv[1]).read_metadata()
+print(json.dumps(sorted([k.fqn, list(k.offset or ()), k.index, v.relative_path, v.offset, v.length]
+                        for k, v in md.storage_data.items()), default=str))
+"""
+
+
+def stock_index(path: Path) -> list:
+    """The storage index as stock torch reads it: (fqn, offset, index hint, file, offset, length)."""
+    out = subprocess.run([sys.executable, "-I", "-c", READ_WITHOUT_CKPTDOCTOR, str(path)], capture_output=True,
+                         text=True, check=True).stdout
+    return [row[:2] + row[3:] for row in json.loads(out)]  # stock leaves hints unset on our un-rewritten plans
+
+
 def writers(path: Path) -> dict[str, list[str]]:
     """Per item (key@offsets), the files that hold it, from the metadata's storage index."""
     md = FileSystemReader(str(path)).read_metadata()
@@ -186,12 +209,18 @@ def writers(path: Path) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(tmp_path):
     ours, stock, resaved = tmp_path / "ours", tmp_path / "stock", tmp_path / "resaved"
-    saved = run(tmp_path, 8, "save", ours, "ours")
+    saved = run(tmp_path, 8, "save", ours, "ours+writer")
     run(tmp_path, 8, "save", stock, "stock")
     owned = run(tmp_path, 8, "save", tmp_path / "owned", "ours-owned")
+    stock_writer = run(tmp_path, 8, "save", tmp_path / "stock-writer", "ours")
     assert [r["mode"] for r in saved] == ["derived"] * 8  # rank 0 described every rank's chunks alone
     assert [r["mode"] for r in owned] == ["owned"] * 8
     assert described(ours) == described(stock) == described(tmp_path / "owned")
+    # the columnar finish: the storage index FileSystemWriter writes for the same plan, read by
+    # stock torch in an interpreter that cannot import ckptdoctor
+    assert stock_index(ours) == stock_index(tmp_path / "stock-writer")
+    assert [r["returned_storage_data"] for r in saved] == [None] * 8
+    assert all(r["returned_storage_data"] for r in stock_writer)
     held = writers(ours)
     md = FileSystemReader(str(ours)).read_metadata()
     chunks = sum(1 if isinstance(v, BytesStorageMetadata) else len(v.chunks) for v in md.state_dict_metadata.values())

@@ -84,6 +84,22 @@ def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
     assert abs(predicted - runs[32]) <= 0.3 * runs[32], (runs, predicted)
 
 
+def test_ours_finish_law_per_item_written_predicts_an_unfitted_point_within_30_percent():
+    """scaling._ours_at scales ScalableSavePlanner's finish step by the items written."""
+    from ckptdoctor.simulate import measure_planning_ours
+
+    specs, layout = parameter_specs(WIDE, "sft"), Layout.parse("fsdp")
+    try:
+        finish = {n: best_of(lambda: sum(measure_coordinator("optimizer", specs, n, layout, planner="ours").phase_s.values()))
+                  for n in (16, 32)}
+        chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in (16, 32)}
+    finally:
+        _destroy()
+    assert chunks[32] > 1.5 * chunks[16]
+    predicted = finish[16] * chunks[32] / chunks[16]
+    assert abs(predicted - finish[32]) <= 0.3 * finish[32], (finish, chunks, predicted)
+
+
 @pytest.mark.parametrize("text", ["ddp", "hsdp:", "hsdp:0", "hsdp:x", "fsdp:8"])
 def test_unknown_layouts_are_rejected(text):
     with pytest.raises(BadLayout, match="unknown layout"):
@@ -151,8 +167,8 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     specs = parameter_specs(SHAPE, mode)
     try:
         for save in ("model", "optimizer"):
-            stock = [plan for plan, _ in rank_plans(save, specs, 16, Layout.parse(layout), "stock")]
-            ours = [plan for plan, _ in rank_plans(save, specs, 16, Layout.parse(layout), "ours")]
+            stock = list(rank_plans(save, specs, 16, Layout.parse(layout), "stock"))
+            ours = list(rank_plans(save, specs, 16, Layout.parse(layout), "ours"))
             _, stock_md = _default_metadata(DefaultSavePlanner()._dedup_save_plans(stock))
             ours_md = build_metadata(ours)
             assert describe_metadata(ours_md) == describe_metadata(stock_md)

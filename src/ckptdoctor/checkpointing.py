@@ -9,7 +9,9 @@ What it changes, and nothing else:
 * a checkpoint process group (gloo, its own timeout): DCP's plan exchange, finish step and
   our barriers run there, so the training group's deadline can stay short and a long save
   cannot trip it;
-* `ScalableSavePlanner` instead of the `DefaultSavePlanner()` Accelerate passes;
+* `ScalableSavePlanner` instead of the `DefaultSavePlanner()` Accelerate passes, and
+  `ScalableFileSystemWriter` instead of its `FileSystemWriter(path)` (same files, a finish
+  step without one Python object per chunk);
 * atomic publication: the state is written to `<dir>.incomplete`, and only after every
   rank has written and rank 0's metadata is complete is it renamed to `<dir>`; `latest()`
   ignores anything else, so an interrupted save is never resumed from.
@@ -17,7 +19,7 @@ What it changes, and nothing else:
 How: Accelerate calls `torch.distributed.checkpoint.save/load` with a fixed planner and no
 process group. For the duration of one save_state/load_state call only, those two module
 attributes are wrapped (pass-through to torch's own functions, adding `process_group` and
-swapping the stock planner). Checked against the versions pinned in this project; the
+swapping the stock planner and writer). Checked against the versions pinned in this project; the
 checkpoint layout stays Accelerate's own (`pytorch_model_fsdp_0/`, `optimizer_0/`, ...).
 """
 
@@ -34,6 +36,7 @@ from pathlib import Path
 
 from .errors import CkptDoctorError, UnsupportedVersion
 from .planner import ScalableSavePlanner
+from .storage import ScalableFileSystemWriter
 
 CHECKED = {"torch": ("2.8.0", "2.14.1"), "accelerate": ("1.13.0", "1.15.0")}
 INCOMPLETE = ".incomplete"
@@ -122,16 +125,19 @@ class ScalableCheckpointing:
         """For one call: Accelerate's dist_cp.save/load run on the checkpoint group, saves
         with ScalableSavePlanner. Restored on exit, also on error."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner
+        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
         original_save, original_load = dcp.save, dcp.load
         group = self.group
 
         @functools.wraps(original_save)
-        def save(*args, planner=None, process_group=None, **kwargs):
+        def save(*args, planner=None, process_group=None, storage_writer=None, **kwargs):
             if planner is None or type(planner) is DefaultSavePlanner:
                 planner = ScalableSavePlanner(process_group=group)
-            return original_save(*args, planner=planner, process_group=process_group or group, **kwargs)
+            if type(storage_writer) is FileSystemWriter:  # a subclass without state of its own: same settings
+                storage_writer.__class__ = ScalableFileSystemWriter
+            return original_save(*args, planner=planner, process_group=process_group or group,
+                                 storage_writer=storage_writer, **kwargs)
 
         @functools.wraps(original_load)
         def load(*args, process_group=None, **kwargs):

@@ -76,8 +76,8 @@ class ScalableSavePlanner(DefaultSavePlanner):
             return plan
         group_ranks = dist.get_process_group_ranks(self.process_group or dist.group.WORLD)
         agree, derivable = True, False
+        self.meshes = meshes = MeshIndex(group_ranks)
         if self.check_replicas:
-            meshes = MeshIndex(group_ranks)
             digest = structure_digest(plan.items, self.state_dict, getattr(self, "mappings", {}), meshes)
             local_derivable = self.derive_metadata and meshes.plan_is_derivable(plan.items, self.state_dict)
             agree, derivable = _all_ranks_agree(digest, local_derivable, self.process_group)
@@ -114,6 +114,14 @@ class ScalableSavePlanner(DefaultSavePlanner):
             raise ValueError("invalid global save plan: " + "; ".join(problems[:5]))
         self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
+
+    def chunk_position(self, fqn: str, offsets) -> int:
+        """Where this rank's chunk of `fqn` sits in the metadata's chunk list on the derived
+        path (0 for a plain tensor, -1 for bytes): what storage.WrittenItems sends rank 0."""
+        value = self.state_dict[fqn]
+        if isinstance(value, DTensor):
+            return self.meshes.position(value, offsets)
+        return 0 if isinstance(value, torch.Tensor) else -1
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         if not new_plan.usable:  # keep the local plan, with the storage writer's file prefix
@@ -157,6 +165,7 @@ class MeshIndex:
         self._coordinates: dict[int, list[tuple[int, ...]] | None] = {}
         self._signatures: dict[int, str] = {}
         self._chunk_lists: dict[tuple, list[ChunkStorageMetadata]] = {}
+        self._positions: dict[int, dict[tuple, int]] = {}
 
     def coordinates(self, mesh) -> list[tuple[int, ...]] | None:
         """The mesh coordinate of each rank of the group, in group-rank order (None: the
@@ -192,6 +201,13 @@ class MeshIndex:
                                                                               sizes=torch.Size(sizes))
             self._chunk_lists[key] = list(seen.values())
         return self._chunk_lists[key]
+
+    def position(self, value: DTensor, offsets) -> int:
+        """The position of the chunk at `offsets` in `chunks(value)`."""
+        chunks = self.chunks(value)
+        if id(chunks) not in self._positions:
+            self._positions[id(chunks)] = {tuple(c.offsets): i for i, c in enumerate(chunks)}
+        return self._positions[id(chunks)][tuple(offsets)]
 
     def plan_is_derivable(self, items: list[WriteItem], state_dict: dict) -> bool:
         """Whether every sharded item is a plain DTensor over the group's ranks whose chunk

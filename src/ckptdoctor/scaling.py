@@ -36,7 +36,7 @@ from .stacks import STACKS
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
-PER_RANK_PHASES = ("ownership (every rank)", "local plan (every rank)")
+PER_RANK_PHASES = ("local plan (every rank)",)
 TOTALS = ("items_gathered", "bytes_to_rank0", "bytes_from_rank0", "peak_mem_bytes")
 
 
@@ -148,17 +148,11 @@ def build_records(opts: ScalingOptions, results: dict) -> list[dict]:
 def _record(opts, results, stack, layout, save, n, planner) -> dict:
     key = lambda kind, r: (kind, stack, str(layout), save, r, planner)  # noqa: E731
     coord = {r: results[key("coordinator", r)] for r in _measured_ns(results, stack, layout, save, "coordinator", planner)}
-    phase_s, basis, totals = _from_coordinator(coord, n)
     if planner == "ours":
-        planned = results[key("planning", n)]
-        phase_s = {k: v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)} | planned["phase_s"]
-        basis = {k: v for k, v in basis.items() if k.startswith(FINISH_PREFIX)} | {k: "measured" for k in planned["phase_s"]}
-        totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
-                  "bytes_from_rank0": planned["bytes_from_rank0"],
-                  "bytes_to_rank0": planned["bytes_to_rank0"] + totals["results_to_rank0"],
-                  "finish_mem_bytes": totals["peak_mem_bytes"]}
-        measured, fit_from = True, [] if n in coord else sorted(coord)[-2:]
+        phase_s, basis, totals = _ours_at(results, key, coord, n)
+        measured, fit_from = True, [] if n in coord else [max(coord)]
     else:
+        phase_s, basis, totals = _from_coordinator(coord, n)
         valid = {r: _validation_s(results[key("validation", r)]["per_class"])
                  for r in _measured_ns(results, stack, layout, save, "validation", planner)}
         phase_s["validate"], basis["validate"] = _stock_validation(valid, n)
@@ -172,6 +166,24 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
         "finish_s": sum(v for k, v in phase_s.items() if k.startswith(FINISH_PREFIX)),
         "measured": measured, "fit_from": sorted(set(fit_from)),
     }
+
+
+def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]:
+    """ScalableSavePlanner at n: planning measured at n; the finish step measured with every
+    write result materialised at n, or beyond the largest such N scaled by the items written
+    (the chunk count the planning job at n measured): its work is per written item."""
+    planned = results[key("planning", n)]
+    at = n if n in coord else max(coord)
+    scale = planned["chunks"] / results[key("planning", at)]["chunks"]
+    finish = coord[at]
+    phase_s = {k: v * scale for k, v in finish["phase_s"].items()} | planned["phase_s"]
+    how = "measured" if n == at else f"scaled by items written from N={at}"
+    basis = {k: how for k in finish["phase_s"]} | {k: "measured" for k in planned["phase_s"]}
+    totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
+              "bytes_from_rank0": planned["bytes_from_rank0"],
+              "bytes_to_rank0": planned["bytes_to_rank0"] + finish["results_to_rank0"] * scale,
+              "finish_mem_bytes": max(finish["peak_mem_bytes"] * scale, finish["peak_mem_bytes"])}
+    return phase_s, basis, totals
 
 
 def _from_coordinator(coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]:

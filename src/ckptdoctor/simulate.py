@@ -268,24 +268,20 @@ def placement_for(rank: int, ranks: int, layout: Layout, planner0):
 
 
 def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progress=None):
-    """Every rank's local plan as it reaches rank 0 (with `planner`: stock or ours)."""
+    """Every rank's local plan as it reaches rank 0 (stock), or the items each rank writes
+    (ours: after ScalableSavePlanner's ownership step)."""
     from .planner import owned_items
 
     mesh = init_fake_world(0, ranks, layout)
     plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
-    ownership_s = 0.0
     for rank in range(ranks):
         plan = plan0 if rank == 0 else derive_plan(plan0, planner0, rank, ranks, layout)
         if planner == "ours":
-            start = time.process_time()
             plan = dataclasses.replace(plan, items=owned_items(plan.items, placement_for(rank, ranks, layout, planner0),
                                                                rank, ranks))
-            ownership_s = time.process_time() - start if rank == 0 else ownership_s
-            if rank != 0:
-                plan = dataclasses.replace(plan, planner_data={})  # as ScalableSavePlanner sends it
         if progress and rank % 256 == 255:
             progress(f"plans {rank + 1}/{ranks}")
-        yield plan, ownership_s
+        yield plan
 
 
 def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: str = "stock",
@@ -293,32 +289,73 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
                         progress=None) -> CoordinatorMeasurement:
     """Rank 0's phases of one save at `ranks` ranks (all plans materialised: mind N).
 
-    stock: `DefaultSavePlanner` as Accelerate passes it. ours: `ScalableSavePlanner`; its
-    ownership step runs on every rank before the gather and is counted for rank 0."""
+    stock: `DefaultSavePlanner` and `FileSystemWriter` as Accelerate passes them, planning
+    and finish. ours: `ScalableSavePlanner` with `ScalableFileSystemWriter` (what
+    ScalableCheckpointing uses), the finish step only (its planning needs no other rank's
+    items: `measure_planning_ours`)."""
+    if planner == "ours":
+        return _measure_finish_ours(save, specs, ranks, layout, repeats, progress)
     gc.collect()
     baseline = _rss_bytes()
-    blobs, ownership_s = [], 0.0  # what rank 0 receives in the gather: every rank's pickled local plan
-    for plan, ownership_s in rank_plans(save, specs, ranks, layout, planner, progress):
-        blobs.append(pickle.dumps(plan))
+    blobs = [pickle.dumps(plan) for plan in rank_plans(save, specs, ranks, layout, planner, progress)]
     timer = _Timer()
     gc.disable()  # the collector's pauses would be measured as planning; torch runs with it on
     try:
         for _ in range(repeats):
-            phases = _coordinator_phases_ours if planner == "ours" else _coordinator_phases_stock
-            run = phases(timer, blobs, validation_sample)
-            results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in run.results])
-            timer("finish: metadata", _finish_metadata, run.metadata, results)
+            run = _coordinator_phases_stock(timer, blobs, validation_sample)
+            _finish_phases(timer, run.metadata, run.results)
             timer.end_repeat()
     finally:
         gc.enable()
-    if planner == "ours":
-        timer.phase_s["ownership (every rank)"] = ownership_s
     return CoordinatorMeasurement(
         ranks=ranks, items_gathered=sum(len(p.items) for p in run.all_plans),
         bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, run.results)),
         bytes_from_rank0=ranks * max(map(len, run.scatter)),  # scatter_object_list pads every plan to the largest
         results_to_rank0=sum(map(len, run.results)),
         phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=run.validated)
+
+
+def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> CoordinatorMeasurement:
+    """The finish step with ScalableFileSystemWriter: each rank sends its write results as
+    integer columns (`WrittenItems`), rank 0 pickles the storage index as columns."""
+    from .planner import MeshIndex
+    from .storage import StorageColumns, WrittenItems, _with_storage_columns
+
+    gc.collect()
+    baseline = _rss_bytes()
+    planner, _ = scalable_local_plan(build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout)))
+    metadata = MeshIndex(list(range(ranks))).metadata(planner.all_items, planner.state_dict)
+    blobs, columns_s = [], 0.0
+    for rank, plan in enumerate(rank_plans(save, specs, ranks, layout, "ours", progress)):
+        start = time.process_time()
+        blobs.append(pickle.dumps(WrittenItems.of(_write_results(plan, rank), planner)))
+        columns_s = columns_s or time.process_time() - start  # rank 0's, with the chunk lists not yet cached
+
+    def write_metadata(written):
+        buffer = io.BytesIO()
+        pickle.dump(_with_storage_columns(metadata, StorageColumns(written, metadata)), buffer)
+        return buffer.tell()
+
+    timer = _Timer()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            written = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in blobs])
+            timer("finish: metadata", write_metadata, written)
+            timer.end_repeat()
+    finally:
+        gc.enable()
+    timer.phase_s["finish: columns (every rank)"] = columns_s
+    return CoordinatorMeasurement(ranks=ranks, items_gathered=0, bytes_to_rank0=sum(map(len, blobs)),
+                                  bytes_from_rank0=0, results_to_rank0=sum(map(len, blobs)), phase_s=timer.phase_s,
+                                  peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=(0, 0))
+
+
+def _finish_phases(timer, metadata, result_blobs) -> None:
+    """`dcp.save`'s finish step on rank 0: unpickle every rank's write results, then what
+    `FileSystemWriter.finish` does (storage data, the pickled metadata file)."""
+    results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in result_blobs])
+    timer("finish: metadata", _finish_metadata, metadata, results)
 
 
 def scalable_local_plan(state_dict: dict):
@@ -400,25 +437,6 @@ def _coordinator_phases_stock(timer, blobs, validation_sample):
     scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
     results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(global_plan)]
     return _CoordinatorRun(all_plans, metadata, scatter, results, validated)
-
-
-def _coordinator_phases_ours(timer, blobs, validation_sample):
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.planner import SavePlan
-
-    from .planner import build_metadata, validate_chunks
-
-    all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
-    metadata = timer("build metadata", build_metadata, all_plans)
-    metadata = timer("merge mappings", _merge_mappings, all_plans, metadata)
-    problems = timer("validate", validate_chunks, metadata)
-    if problems:
-        raise AssertionError(f"ScalableSavePlanner rejected the simulated plan: {problems[:3]}")
-    deltas = [SavePlan([], usable=False) for _ in all_plans]
-    deltas = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan, deltas)
-    scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in deltas])
-    results = [pickle.dumps(_write_results(p, i)) for i, p in enumerate(all_plans)]
-    return _CoordinatorRun(all_plans, metadata, scatter, results, (len(metadata.state_dict_metadata),) * 2)
 
 
 def _default_metadata(plans):

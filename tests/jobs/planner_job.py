@@ -1,7 +1,8 @@
 """One rank of a planner test job (started by tests/test_planner.py through ckptdoctor.launcher).
 
     python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
-                                                 (PLANNER: stock, ours, ours-owned = without derived metadata)
+                                                 (PLANNER: stock, ours, ours-owned = without derived metadata,
+                                                  ours+writer = with ScalableFileSystemWriter)
     python planner_job.py load DIR               stock dcp.load into this world size, compare
     python planner_job.py load-save DIR OUT      load (compare), then save again with ours
 
@@ -21,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ckptdoctor import ScalableSavePlanner
+from ckptdoctor import ScalableFileSystemWriter, ScalableSavePlanner
 
 SHAPES = {"fsdp.w": (10, 7), "fsdp.down": (3, 13), "fsdp.small": (2,), "hsdp.w": (9, 5), "plain.lora": (4, 4)}
 
@@ -77,9 +78,11 @@ def main() -> int:
     report = {"rank": rank, "world": world}
     if op == "save":
         planners = {"ours": ScalableSavePlanner, "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False),
-                    "stock": dcp.DefaultSavePlanner}
+                    "ours+writer": ScalableSavePlanner, "stock": dcp.DefaultSavePlanner}
         planner = planners[sys.argv[3]]()
-        dcp.save(build(rank, world), checkpoint_id=path, planner=planner)
+        writer = ScalableFileSystemWriter(path) if sys.argv[3].endswith("+writer") else None
+        returned = dcp.save(build(rank, world), checkpoint_id=path, planner=planner, storage_writer=writer)
+        report["returned_storage_data"] = None if returned.storage_data is None else len(returned.storage_data)
         report["items_written"] = len(planner.plan.items)
         report["replicas_agree"] = getattr(planner, "replicas_agree", None)
         report["mode"] = getattr(planner, "mode", "stock planner")
@@ -88,7 +91,8 @@ def main() -> int:
         dcp.load(state, checkpoint_id=path)  # stock loader and planner
         report["mismatches"] = mismatches(state)
         if op == "load-save":
-            dcp.save(state, checkpoint_id=Path(sys.argv[3]), planner=ScalableSavePlanner())
+            out = Path(sys.argv[3])
+            dcp.save(state, checkpoint_id=out, planner=ScalableSavePlanner(), storage_writer=ScalableFileSystemWriter(out))
     Path(f"{path}.{op}.rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
     return 0

@@ -1,0 +1,79 @@
+"""ScalableFileSystemWriter: its columnar finish writes the storage index stock would."""
+
+import pickle
+
+from hypothesis import given, settings
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
+from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
+from test_planner import build_random, fake_world, random_state_dicts
+
+
+def results_for(plan, rank: int) -> list[WriteResult]:
+    """What FileSystemWriter returns for `plan`: one file per rank, items back to back."""
+    out, offset = [], 0
+    for i, item in enumerate(plan.items):
+        length = 100 + 7 * i + rank
+        out.append(WriteResult(index=item.index, size_in_bytes=length,
+                               storage_data=_StorageInfo(f"__{rank}_0.distcp", offset, length)))
+        offset += length
+    return out
+
+
+def save_as_every_rank(case):
+    """(rank 0's derived metadata, each rank's stock write results, each rank's WrittenItems)."""
+    world, mesh_shape, dtensors, plain, values = case
+    results, written = [], []
+    try:
+        for rank in range(world):
+            mesh = fake_world(rank, world, mesh_shape)
+            planner = ScalableSavePlanner()
+            planner.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
+            planner.create_local_plan()
+            results.append(results_for(planner.plan, rank))
+            written.append(WrittenItems.of(results[-1], planner))
+            if rank == 0:
+                metadata = MeshIndex(list(range(world))).metadata(planner.all_items, planner.state_dict)
+    finally:
+        fake_world(0, 1, (1,))
+    return metadata, results, written
+
+
+@settings(max_examples=100, deadline=None)
+@given(random_state_dicts())
+def test_columnar_storage_index_unpickles_to_the_dict_filesystemwriter_writes(case):
+    metadata, results, written = save_as_every_rank(case)
+    stock = {r.index: r.storage_data for rank in results for r in rank}
+    gathered = pickle.loads(pickle.dumps(written))  # as rank 0 receives them
+    blob = pickle.dumps(_with_storage_columns(metadata, StorageColumns(gathered, metadata)))
+    assert b"ckptdoctor" not in blob  # stock torch reads it without us
+    loaded = pickle.loads(blob)
+    assert type(loaded) is Metadata
+    assert loaded.storage_data == stock  # keys and values
+    assert loaded.state_dict_metadata == metadata.state_dict_metadata
+    for key in loaded.storage_data:  # index hints point at the chunk, as stock's rewritten hints do
+        if key.index is not None:
+            assert metadata.state_dict_metadata[key.fqn].chunks[key.index].offsets == key.offset
+    keys = sorted(metadata.state_dict_metadata)  # a mix with stock results: expanded back
+    assert {r.index: r.storage_data for w in gathered for r in w.write_results(metadata, keys)} == stock
+
+
+def test_other_planners_and_storage_infos_keep_the_stock_results():
+    planner = DefaultSavePlanner()
+    assert WrittenItems.of([], planner) is None
+    case = (2, (2,), [((4,), (0,))], [], [])
+    _, results, written = save_as_every_rank(case)
+    assert all(isinstance(w, WrittenItems) for w in written)
+    results[0][0].storage_data.transform_descriptors = ["zstd"]  # something the columns do not carry
+    try:
+        mesh = fake_world(0, 2, (2,))
+        ours = ScalableSavePlanner()
+        ours.set_up_planner(build_random(mesh, *case[2:]), None, True)
+        ours.create_local_plan()
+        assert WrittenItems.of(results[0], ours) is None
+    finally:
+        fake_world(0, 1, (1,))
