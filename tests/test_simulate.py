@@ -84,20 +84,20 @@ def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
     assert abs(predicted - runs[32]) <= 0.3 * runs[32], (runs, predicted)
 
 
-def test_ours_finish_law_per_item_written_predicts_an_unfitted_point_within_30_percent():
-    """scaling._ours_at scales ScalableSavePlanner's finish step by the items written."""
+def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_within_30_percent():
+    """scaling._ours_at extrapolates ScalableSavePlanner's finish step in the items written."""
     from ckptdoctor.simulate import measure_planning_ours
 
-    specs, layout = parameter_specs(WIDE, "sft"), Layout.parse("fsdp")
+    specs, layout, ns = parameter_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
     try:
         finish = {n: best_of(lambda: sum(measure_coordinator("optimizer", specs, n, layout, planner="ours").phase_s.values()))
-                  for n in (16, 32)}
-        chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in (16, 32)}
+                  for n in ns}
+        chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in ns}
     finally:
         _destroy()
-    assert chunks[32] > 1.5 * chunks[16]
-    predicted = finish[16] * chunks[32] / chunks[16]
-    assert abs(predicted - finish[32]) <= 0.3 * finish[32], (finish, chunks, predicted)
+    assert chunks[96] > 2 * chunks[32]
+    predicted = _extrapolate_linear({chunks[16]: finish[16], chunks[32]: finish[32]}, chunks[96])
+    assert abs(predicted - finish[96]) <= 0.3 * finish[96], (finish, chunks, predicted)
 
 
 @pytest.mark.parametrize("text", ["ddp", "hsdp:", "hsdp:0", "hsdp:x", "fsdp:8"])

@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
 from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
-from test_planner import build_random, fake_world, random_state_dicts
+from test_planner import build_random, fake_world, leave_fake_world, random_state_dicts
 
 
 def results_for(plan, rank: int) -> list[WriteResult]:
@@ -39,7 +39,7 @@ def save_as_every_rank(case):
             if rank == 0:
                 metadata = MeshIndex(list(range(world))).metadata(planner.all_items, planner.state_dict)
     finally:
-        fake_world(0, 1, (1,))
+        leave_fake_world()
     return metadata, results, written
 
 
@@ -76,4 +76,4 @@ def test_other_planners_and_storage_infos_keep_the_stock_results():
         ours.create_local_plan()
         assert WrittenItems.of(results[0], ours) is None
     finally:
-        fake_world(0, 1, (1,))
+        leave_fake_world()

@@ -113,8 +113,10 @@ def _validation_s(per_class) -> float:
 
 
 def _extrapolate_linear(points: dict[int, float], n: int) -> float:
-    """Straight line through the two largest measured N (the smallest can be degenerate:
-    hsdp:8 at N=8 has no replicas)."""
+    """Straight line through the two largest measured x (the smallest can be degenerate:
+    hsdp:8 at N=8 has no replicas); constant when there is only one x."""
+    if len(points) == 1:
+        return next(iter(points.values()))
     (n0, y0), (n1, y1) = sorted(points.items())[-2:]
     slope = (y1 - y0) / (n1 - n0)
     return max(y1 + slope * (n - n1), 0.0)
@@ -170,19 +172,28 @@ def _record(opts, results, stack, layout, save, n, planner) -> dict:
 
 def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]:
     """ScalableSavePlanner at n: planning measured at n; the finish step measured with every
-    write result materialised at n, or beyond the largest such N scaled by the items written
-    (the chunk count the planning job at n measured): its work is per written item."""
+    write result materialised at n, or beyond on the straight line in the items written (the
+    chunk count the planning job measured at each N) through the two largest such N."""
     planned = results[key("planning", n)]
-    at = n if n in coord else max(coord)
-    scale = planned["chunks"] / results[key("planning", at)]["chunks"]
-    finish = coord[at]
-    phase_s = {k: v * scale for k, v in finish["phase_s"].items()} | planned["phase_s"]
-    how = "measured" if n == at else f"scaled by items written from N={at}"
-    basis = {k: how for k in finish["phase_s"]} | {k: "measured" for k in planned["phase_s"]}
+    chunks = {r: results[key("planning", r)]["chunks"] for r in coord}
+    if n in coord:
+        finish, how = dict(coord[n]["phase_s"]), "measured"
+        finish_totals = {k: coord[n][k] for k in ("results_to_rank0", "peak_mem_bytes")}
+    else:
+        how = f"extrapolated (linear in items written, fit from N={','.join(map(str, sorted(coord)[-2:]))})"
+        at = lambda field: {chunks[r]: field(c) for r, c in coord.items()}  # noqa: E731
+        finish = {k: _extrapolate_linear(at(lambda c: c["phase_s"][k]), planned["chunks"])
+                  for k in coord[max(coord)]["phase_s"]}
+        finish_totals = {k: _extrapolate_linear(at(lambda c: c[k]), planned["chunks"])
+                         for k in ("results_to_rank0", "peak_mem_bytes")}
+        finish_totals["peak_mem_bytes"] = max(finish_totals["peak_mem_bytes"],
+                                              max(c["peak_mem_bytes"] for c in coord.values()))
+    phase_s = finish | planned["phase_s"]
+    basis = {k: how for k in finish} | {k: "measured" for k in planned["phase_s"]}
     totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
               "bytes_from_rank0": planned["bytes_from_rank0"],
-              "bytes_to_rank0": planned["bytes_to_rank0"] + finish["results_to_rank0"] * scale,
-              "finish_mem_bytes": max(finish["peak_mem_bytes"] * scale, finish["peak_mem_bytes"])}
+              "bytes_to_rank0": planned["bytes_to_rank0"] + finish_totals["results_to_rank0"],
+              "finish_mem_bytes": finish_totals["peak_mem_bytes"]}
     return phase_s, basis, totals
 
 
