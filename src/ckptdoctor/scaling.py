@@ -294,9 +294,10 @@ def plot(records: list[dict], path: str) -> None:
         ax.set_title(f"{save} save")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("rank 0 planning time (s)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4)  # below the panels: no data hidden
     fig.suptitle(f"MOVA {records[0]['mode']}: rank 0's share of a DCP save (filled: measured, hollow: extrapolated)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
