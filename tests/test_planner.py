@@ -141,6 +141,20 @@ def build_random(mesh, dtensors, plain, values) -> dict:
     return state | {f"b{i}": value for i, value in enumerate(values)}
 
 
+def planned_as_every_rank(case, make_planner):
+    """(rank, planner, local plan) for every rank of `case`'s world: the planner set up on that
+    rank's state dict in torch's fake process group, after `create_local_plan`."""
+    world, mesh_shape, dtensors, plain, values = case
+    try:
+        for rank in range(world):
+            planner = make_planner()
+            planner.set_up_planner(build_random(fake_world(rank, world, mesh_shape), dtensors, plain, values),
+                                   None, rank == 0)
+            yield rank, planner, planner.create_local_plan()
+    finally:
+        leave_fake_world()
+
+
 @settings(max_examples=200, deadline=None)
 @given(random_state_dicts())
 def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
@@ -150,22 +164,13 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
     from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
     from test_simulate import listed_items, written_items
 
-    world, mesh_shape, dtensors, plain, values = case
-    stock_plans, owned_plans = [], []
-    try:
-        for rank in range(world):
-            mesh = fake_world(rank, world, mesh_shape)
-            stock, ours = DefaultSavePlanner(), ScalableSavePlanner()
-            stock.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
-            ours.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
-            stock_plans.append(stock.create_local_plan())
-            ours.create_local_plan()
-            assert ours.mode == "derived"
-            owned_plans.append(ours.plan)
-            if rank == 0:
-                derived = MeshIndex(list(range(world))).metadata(ours.all_items, ours.state_dict)
-    finally:
-        leave_fake_world()
+    stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
+    owned_plans = []
+    for rank, ours, _ in planned_as_every_rank(case, ScalableSavePlanner):
+        assert ours.mode == "derived"
+        owned_plans.append(ours.plan)
+        if rank == 0:
+            derived = MeshIndex(list(range(len(stock_plans)))).metadata(ours.all_items, ours.state_dict)
     _, stock_md = create_default_global_save_plan(DefaultSavePlanner()._dedup_save_plans(stock_plans))
     assert describe_metadata(derived) == describe_metadata(stock_md)
     assert validate_chunks(derived) == []

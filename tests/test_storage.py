@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
 from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
-from test_planner import build_random, fake_world, leave_fake_world, random_state_dicts
+from test_planner import planned_as_every_rank, random_state_dicts
 
 
 def results_for(plan, rank: int) -> list[WriteResult]:
@@ -26,20 +26,12 @@ def results_for(plan, rank: int) -> list[WriteResult]:
 
 def save_as_every_rank(case):
     """(rank 0's derived metadata, each rank's stock write results, each rank's WrittenItems)."""
-    world, mesh_shape, dtensors, plain, values = case
     results, written = [], []
-    try:
-        for rank in range(world):
-            mesh = fake_world(rank, world, mesh_shape)
-            planner = ScalableSavePlanner()
-            planner.set_up_planner(build_random(mesh, dtensors, plain, values), None, rank == 0)
-            planner.create_local_plan()
-            results.append(results_for(planner.plan, rank))
-            written.append(WrittenItems.of(results[-1], planner))
-            if rank == 0:
-                metadata = MeshIndex(list(range(world))).metadata(planner.all_items, planner.state_dict)
-    finally:
-        leave_fake_world()
+    for rank, planner, _ in planned_as_every_rank(case, ScalableSavePlanner):
+        results.append(results_for(planner.plan, rank))
+        written.append(WrittenItems.of(results[-1], planner))
+        if rank == 0:
+            metadata = MeshIndex(list(range(case[0]))).metadata(planner.all_items, planner.state_dict)
     return metadata, results, written
 
 
@@ -69,11 +61,7 @@ def test_other_planners_and_storage_infos_keep_the_stock_results():
     _, results, written = save_as_every_rank(case)
     assert all(isinstance(w, WrittenItems) for w in written)
     results[0][0].storage_data.transform_descriptors = ["zstd"]  # something the columns do not carry
-    try:
-        mesh = fake_world(0, 2, (2,))
-        ours = ScalableSavePlanner()
-        ours.set_up_planner(build_random(mesh, *case[2:]), None, True)
-        ours.create_local_plan()
-        assert WrittenItems.of(results[0], ours) is None
-    finally:
-        leave_fake_world()
+    ranks = planned_as_every_rank(case, ScalableSavePlanner)
+    _, ours, _ = next(ranks)  # rank 0
+    assert WrittenItems.of(results[0], ours) is None
+    ranks.close()
