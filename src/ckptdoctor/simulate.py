@@ -329,7 +329,7 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
     for rank, plan in enumerate(rank_plans(save, specs, ranks, layout, "ours", progress)):
         start = time.process_time()
         blobs.append(pickle.dumps(WrittenItems.of(_write_results(plan, rank), planner)))
-        columns_s = columns_s or time.process_time() - start  # rank 0's, with the chunk lists not yet cached
+        columns_s = columns_s or time.process_time() - start  # rank 0's: its MeshIndex builds its chunk lists
 
     def write_metadata(written):
         buffer = io.BytesIO()
