@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import subprocess
 import sys
 
@@ -52,13 +53,21 @@ def _destroy():
         dist.destroy_process_group()
 
 
-def best_of(func, repeats=3):
-    return min(func() for _ in range(repeats))
+def interleaved_best(measure, ns, repeats=3) -> dict:
+    """Best of `repeats` per N, taken round-robin over the Ns: a slow spell on two shared cores
+    (one CI run inflated every repeat at N=256 by 60 %) then hits all Ns, not one."""
+    best = {n: math.inf for n in ns}
+    for _ in range(repeats):
+        for n in ns:
+            best[n] = min(best[n], measure(n))
+    return best
 
 
 def test_quadratic_validation_law_predicts_an_unfitted_point_within_30_percent():
+    """N stays below the tensor's 5,120 rows: beyond that, ranks share empty chunks, dedup folds
+    them, and the chunk count (what the cost follows) stops being N."""
     layout, shape = Layout.parse("fsdp"), (5120, 5120)
-    measured = {n: validation_seconds_per_tensor(shape, n, layout, repeats=3) for n in (256, 512, 1024)}
+    measured = interleaved_best(lambda n: validation_seconds_per_tensor(shape, n, layout), (256, 512, 1024), repeats=5)
     predicted, exponent = _extrapolate_power({n: measured[n] for n in (256, 512)}, 1024)
     assert exponent > 0.8  # grows with N at all (2.8: ~2, newer torch: ~1)
     assert abs(predicted - measured[1024]) <= 0.3 * measured[1024], (measured, predicted)
@@ -74,10 +83,9 @@ WIDE = dataclasses.replace(MovaShape(), video_dim=64, video_ffn=128, audio_dim=6
 def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
     specs, layout = parameter_specs(WIDE, "sft"), Layout.parse("fsdp")
     try:
-        runs = {n: best_of(lambda: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
-                                                                         validation_sample=1).phase_s.items()
-                                       if k != "validate"))
-                for n in (8, 16, 32)}
+        runs = interleaved_best(lambda n: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
+                                                                                validation_sample=1).phase_s.items()
+                                              if k != "validate"), (8, 16, 32))
     finally:
         _destroy()
     predicted = _extrapolate_linear({8: runs[8], 16: runs[16]}, 32)
@@ -90,8 +98,8 @@ def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_with
 
     specs, layout, ns = parameter_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
     try:
-        finish = {n: best_of(lambda: sum(measure_coordinator("optimizer", specs, n, layout, planner="ours").phase_s.values()))
-                  for n in ns}
+        finish = interleaved_best(lambda n: sum(measure_coordinator("optimizer", specs, n, layout,
+                                                                    planner="ours").phase_s.values()), ns)
         chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in ns}
     finally:
         _destroy()
