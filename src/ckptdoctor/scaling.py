@@ -36,7 +36,6 @@ from .stacks import STACKS
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
-PER_RANK_PHASES = ("local plan (every rank)",)
 TOTALS = ("items_gathered", "bytes_to_rank0", "bytes_from_rank0", "peak_mem_bytes")
 
 
@@ -184,10 +183,8 @@ def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, 
         at = lambda field: {chunks[r]: field(c) for r, c in coord.items()}  # noqa: E731
         finish = {k: _extrapolate_linear(at(lambda c: c["phase_s"][k]), planned["chunks"])
                   for k in coord[max(coord)]["phase_s"]}
-        finish_totals = {k: _extrapolate_linear(at(lambda c: c[k]), planned["chunks"])
-                         for k in ("results_to_rank0", "peak_mem_bytes")}
-        finish_totals["peak_mem_bytes"] = max(finish_totals["peak_mem_bytes"],
-                                              max(c["peak_mem_bytes"] for c in coord.values()))
+        finish_totals = _extrapolated_totals(coord, ("results_to_rank0", "peak_mem_bytes"),
+                                             lambda field: _extrapolate_linear(at(field), planned["chunks"]))
     phase_s = finish | planned["phase_s"]
     basis = {k: how for k in finish} | {k: "measured" for k in planned["phase_s"]}
     totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
@@ -204,18 +201,19 @@ def _from_coordinator(coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]
         m = coord[n]
         return dict(m["phase_s"]), {k: "measured" for k in m["phase_s"]}, {k: m[k] for k in TOTALS + ("results_to_rank0",)}
     fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-    phase_s, basis = {}, {}
-    for phase in coord[max(coord)]["phase_s"]:
-        if phase in PER_RANK_PHASES:  # each rank's work on its own plan: does not grow with N
-            phase_s[phase] = coord[max(coord)]["phase_s"][phase]
-            basis[phase] = f"constant in N (measured at N={max(coord)})"
-        else:
-            phase_s[phase] = _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
-            basis[phase] = fit
-    totals = {k: _extrapolate_linear({r: c[k] for r, c in coord.items()}, n) for k in TOTALS + ("results_to_rank0",)}
-    # a peak does not shrink with more data: never below what the measured points reached
+    phase_s = {phase: _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
+               for phase in coord[max(coord)]["phase_s"]}
+    totals = _extrapolated_totals(coord, TOTALS + ("results_to_rank0",),
+                                  lambda field: _extrapolate_linear({r: field(c) for r, c in coord.items()}, n))
+    return phase_s, {phase: fit for phase in phase_s}, totals
+
+
+def _extrapolated_totals(coord: dict[int, dict], fields, extrapolate) -> dict:
+    """`extrapolate(field)` for each total; a peak does not shrink with more data, so the peak
+    memory is never below what the measured points reached."""
+    totals = {k: extrapolate(lambda c, k=k: c[k]) for k in fields}
     totals["peak_mem_bytes"] = max(totals["peak_mem_bytes"], max(c["peak_mem_bytes"] for c in coord.values()))
-    return phase_s, basis, totals
+    return totals
 
 
 def _stock_validation(valid: dict[int, float], n: int) -> tuple[float, str]:
