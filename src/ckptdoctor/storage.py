@@ -44,8 +44,7 @@ class ScalableFileSystemWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list) -> None:
         if results and all(isinstance(r, WrittenItems) for r in results):
             return super().finish(_with_storage_columns(metadata, StorageColumns(results, metadata)), [])
-        keys = sorted(metadata.state_dict_metadata)
-        expanded = [r.write_results(metadata, keys) if isinstance(r, WrittenItems) else r for r in results]
+        expanded = [r.write_results(metadata) if isinstance(r, WrittenItems) else r for r in results]
         return super().finish(metadata, expanded)
 
 
@@ -83,7 +82,7 @@ class WrittenItems:
         columns.paths = list(paths)
         return columns
 
-    def write_results(self, metadata: Metadata, keys: list[str]) -> list[WriteResult]:
+    def write_results(self, metadata: Metadata) -> list[WriteResult]:
         """Back to stock WriteResults (when other ranks sent stock results)."""
         index = StorageColumns([self], metadata)
         return [WriteResult(index=MetadataIndex(f, o, i), size_in_bytes=n, storage_data=_StorageInfo(p, b, n))
