@@ -161,7 +161,7 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
-    from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
+    from ckptdoctor.planner import ScalableSavePlanner
     from test_simulate import listed_items, written_items
 
     stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
@@ -170,7 +170,7 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
         assert ours.mode == "derived"
         owned_plans.append(ours.plan)
         if rank == 0:
-            derived = MeshIndex(list(range(len(stock_plans)))).metadata(ours.all_items, ours.state_dict)
+            derived = ours.derived_metadata()
     _, stock_md = create_default_global_save_plan(DefaultSavePlanner()._dedup_save_plans(stock_plans))
     assert describe_metadata(derived) == describe_metadata(stock_md)
     assert validate_chunks(derived) == []

@@ -169,7 +169,7 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     group and share empty chunks): same tensors, chunks and bytes, each item written once."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from ckptdoctor.planner import MeshIndex, build_metadata
+    from ckptdoctor.planner import build_metadata
     from ckptdoctor.simulate import _default_metadata, build_state_dict, init_fake_world, rank_plans, scalable_local_plan
 
     specs = parameter_specs(SHAPE, mode)
@@ -184,7 +184,7 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
             assert sum(len(p.items) for p in ours) == chunks  # every item written exactly once
             planner, _ = scalable_local_plan(build_state_dict(save, specs, Layout.parse(layout),
                                                               init_fake_world(0, 16, Layout.parse(layout))))
-            derived = MeshIndex(list(range(16))).metadata(planner.all_items, planner.state_dict)
+            derived = planner.derived_metadata()
             assert describe_metadata(derived) == describe_metadata(stock_md)  # rank 0 alone, from its own state dict
             assert sorted(written_items(ours)) == sorted(listed_items(derived))  # what is listed is what is written
             assert sum(len(p.items) for p in stock) > chunks  # and stock did ship duplicates

@@ -8,7 +8,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptdoctor.planner import MeshIndex, ScalableSavePlanner
+from ckptdoctor.planner import ScalableSavePlanner
 from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
 from test_planner import planned_as_every_rank, random_state_dicts
 
@@ -31,7 +31,7 @@ def save_as_every_rank(case):
         results.append(results_for(planner.plan, rank))
         written.append(WrittenItems.of(results[-1], planner))
         if rank == 0:
-            metadata = MeshIndex(list(range(case[0]))).metadata(planner.all_items, planner.state_dict)
+            metadata = planner.derived_metadata()
     return metadata, results, written
 
 

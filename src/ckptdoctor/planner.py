@@ -105,7 +105,7 @@ class ScalableSavePlanner(DefaultSavePlanner):
             # Items are unique by construction: no dedup, and every rank already holds its final
             # plan, so only an empty "use your own" plan is scattered (SavePlan.usable=False).
             if self.mode == "derived":
-                metadata = self.meshes.metadata(self.all_items, self.state_dict)
+                metadata = self.derived_metadata()
             else:
                 metadata = build_metadata(all_plans)
             global_plan = [SavePlan([], usable=False) for _ in all_plans]
@@ -118,6 +118,11 @@ class ScalableSavePlanner(DefaultSavePlanner):
             raise ValueError("invalid global save plan: " + "; ".join(problems[:5]))
         self.global_plan, self.metadata = global_plan, metadata
         return global_plan, metadata
+
+    def derived_metadata(self) -> Metadata:
+        """The global metadata rank 0 builds alone on the derived path: from its own full
+        local plan, every rank's chunks derived from each DTensor's shape, mesh and placements."""
+        return self.meshes.metadata(self.all_items, self.state_dict)
 
     def chunk_position(self, fqn: str, offsets) -> int:
         """Where this rank's chunk of `fqn` sits in the metadata's chunk list on the derived
@@ -195,6 +200,11 @@ class MeshIndex:
                     seen[offsets, sizes] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
             self._chunk_lists[key] = list(seen.values())
         return self._chunk_lists[key]
+
+    @property
+    def chunk_list_count(self) -> int:
+        """How many distinct chunk lists (one per shape, mesh and placements) were built."""
+        return len(self._chunk_lists)
 
     def position(self, value: DTensor, offsets) -> int:
         """The position of the chunk at `offsets` in `chunks(value)`."""

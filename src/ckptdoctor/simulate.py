@@ -318,18 +318,17 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
 def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> CoordinatorMeasurement:
     """The finish step with ScalableFileSystemWriter: each rank sends its write results as
     integer columns (`WrittenItems`), rank 0 pickles the storage index as columns."""
-    from .planner import MeshIndex
     from .storage import StorageColumns, WrittenItems, _with_storage_columns
 
     gc.collect()
     baseline = _rss_bytes()
     planner, _ = scalable_local_plan(build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout)))
-    metadata = MeshIndex(list(range(ranks))).metadata(planner.all_items, planner.state_dict)
+    metadata = planner.derived_metadata()
     blobs, columns_s = [], 0.0
     for rank, plan in enumerate(rank_plans(save, specs, ranks, layout, "ours", progress)):
         start = time.process_time()
         blobs.append(pickle.dumps(WrittenItems.of(_write_results(plan, rank), planner)))
-        columns_s = columns_s or time.process_time() - start  # rank 0's: its MeshIndex builds its chunk lists
+        columns_s = columns_s or time.process_time() - start  # rank 0's: its chunk positions
 
     def write_metadata(written):
         buffer = io.BytesIO()
@@ -382,7 +381,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from .planner import MeshIndex, clear_chunk_caches, validate_chunks
+    from .planner import clear_chunk_caches, validate_chunks
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()
@@ -395,11 +394,12 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     timer = _Timer()
     gc.disable()
     try:
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            if repeat:  # a fresh planner: no chunk lists built yet, as in a first save
+                planner, _ = scalable_local_plan(state_dict)
             all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
             clear_chunk_caches()  # as a first save's rank 0 builds them (partly in its local step: conservative)
-            index = MeshIndex(list(range(ranks)))
-            metadata = timer("build metadata", index.metadata, planner.all_items, planner.state_dict)
+            metadata = timer("build metadata", planner.derived_metadata)
             metadata = timer("merge mappings", _merge_mappings, all_plans, metadata)
             problems = timer("validate", validate_chunks, metadata)
             if problems:
@@ -413,7 +413,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     timer.phase_s["local plan (every rank)"] = local_s
     chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
     return {"ranks": ranks, "items_gathered": sum(len(p.items) for p in all_plans), "chunks": chunks,
-            "distinct_chunk_lists": len(index._chunk_lists), "bytes_to_rank0": sum(map(len, blobs)),
+            "distinct_chunk_lists": planner.meshes.chunk_list_count, "bytes_to_rank0": sum(map(len, blobs)),
             "bytes_from_rank0": ranks * max(map(len, scatter)), "phase_s": timer.phase_s,
             "peak_mem_bytes": max(0, _peak_rss_bytes() - baseline)}
 
