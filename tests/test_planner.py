@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from ckptdoctor.launcher import launch
-from conftest import describe_metadata
+from conftest import describe_metadata, listed_items, written_items
 from ckptdoctor.planner import assign_owners, owned_items, validate_chunks
 
 JOB = Path(__file__).parent / "jobs" / "planner_job.py"
@@ -162,7 +162,6 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
     from ckptdoctor.planner import ScalableSavePlanner
-    from test_simulate import listed_items, written_items
 
     stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
     owned_plans = []

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from ckptdoctor.errors import BadLayout
-from conftest import describe_metadata
+from conftest import describe_metadata, listed_items, written_items
 from ckptdoctor.model import MovaShape
 from ckptdoctor.scaling import _extrapolate_linear, _extrapolate_power
 from ckptdoctor.simulate import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
@@ -190,13 +190,3 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
             assert sum(len(p.items) for p in stock) > chunks  # and stock did ship duplicates
     finally:
         _destroy()
-
-
-def written_items(plans) -> list[tuple]:
-    return [(item.index.fqn, tuple(item.index.offset or ())) for plan in plans for item in plan.items]
-
-
-def listed_items(metadata) -> list[tuple]:
-    return [(key, tuple(chunk.offsets)) for key, md in metadata.state_dict_metadata.items()
-            for chunk in getattr(md, "chunks", [])] + \
-           [(key, ()) for key, md in metadata.state_dict_metadata.items() if not hasattr(md, "chunks")]
