@@ -1,0 +1,42 @@
+"""scripts/setup.sh refuses clearly, before pip starts, when it cannot install a stack."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def project_copy(tmp_path):
+    """Only what setup.sh reads, so a refusal can never touch the real .venv."""
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    shutil.copytree(ROOT / "requirements", tmp_path / "requirements")
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def _setup(root, stack, **env):
+    return subprocess.run(
+        ["bash", str(root / "scripts" / "setup.sh"), stack],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **env},
+    )
+
+
+def test_too_little_disk_is_refused_before_anything_is_installed(project_copy):
+    result = _setup(project_copy, "user", CKPTDOCTOR_DISK_NEED_MB=str(10**12))
+    assert result.returncode == 3, result.stderr
+    assert "setup: not enough disk for the 'user' stack" in result.stderr
+    assert f"needs about {10**12} MB in {project_copy}" in result.stderr
+    assert "MB free; free some space and rerun" in result.stderr
+    assert not (project_copy / ".venv").exists()
+
+
+def test_unknown_stack_is_refused(project_copy):
+    result = _setup(project_copy, "nightly")
+    assert result.returncode == 2
+    assert "setup: unknown stack 'nightly' (expected: user, newest)" in result.stderr
+    assert not (project_copy / ".venv").exists()
