@@ -108,6 +108,22 @@ def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_with
     assert abs(predicted - finish[96]) <= 0.3 * finish[96], (finish, chunks, predicted)
 
 
+def test_extrapolation_follows_the_line_and_never_lowers_a_peak():
+    """scaling._on_the_line: every phase and total on the line through the two largest x
+    (N, or the items written at N), and the peak memory floored at the largest measured."""
+    from ckptdoctor.scaling import _on_the_line
+
+    def at(n, seconds, peak):
+        return {"phase_s": {"validate": seconds}, "bytes_to_rank0": 10 * n, "peak_mem_bytes": peak}
+
+    coord = {8: at(8, 9.0, 1), 16: at(16, 1.0, 500), 32: at(32, 3.0, 400)}
+    phase_s, totals = _on_the_line(coord, 64, ("bytes_to_rank0", "peak_mem_bytes"))
+    assert phase_s == {"validate": 7.0}  # through N=16 and 32; N=8 is ignored
+    assert totals == {"bytes_to_rank0": 640, "peak_mem_bytes": 500}  # the line says 200: floored
+    phase_s, _ = _on_the_line(coord, 3000, ("peak_mem_bytes",), x_of={8: 100, 16: 1000, 32: 2000}.get)
+    assert phase_s == {"validate": 5.0}  # placed at the items written, not at N
+
+
 @pytest.mark.parametrize("text", ["ddp", "hsdp:", "hsdp:0", "hsdp:x", "fsdp:8"])
 def test_unknown_layouts_are_rejected(text):
     with pytest.raises(BadLayout, match="unknown layout"):

@@ -180,11 +180,8 @@ def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, 
         finish_totals = {k: coord[n][k] for k in ("results_to_rank0", "peak_mem_bytes")}
     else:
         how = f"extrapolated (linear in items written, fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-        at = lambda field: {chunks[r]: field(c) for r, c in coord.items()}  # noqa: E731
-        finish = {k: _extrapolate_linear(at(lambda c: c["phase_s"][k]), planned["chunks"])
-                  for k in coord[max(coord)]["phase_s"]}
-        finish_totals = _extrapolated_totals(coord, ("results_to_rank0", "peak_mem_bytes"),
-                                             lambda field: _extrapolate_linear(at(field), planned["chunks"]))
+        finish, finish_totals = _on_the_line(coord, planned["chunks"], ("results_to_rank0", "peak_mem_bytes"),
+                                             x_of=chunks.get)
     phase_s = finish | planned["phase_s"]
     basis = {k: how for k in finish} | {k: "measured" for k in planned["phase_s"]}
     totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
@@ -201,19 +198,24 @@ def _from_coordinator(coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]
         m = coord[n]
         return dict(m["phase_s"]), {k: "measured" for k in m["phase_s"]}, {k: m[k] for k in TOTALS + ("results_to_rank0",)}
     fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-    phase_s = {phase: _extrapolate_linear({r: c["phase_s"][phase] for r, c in coord.items()}, n)
-               for phase in coord[max(coord)]["phase_s"]}
-    totals = _extrapolated_totals(coord, TOTALS + ("results_to_rank0",),
-                                  lambda field: _extrapolate_linear({r: field(c) for r, c in coord.items()}, n))
+    phase_s, totals = _on_the_line(coord, n, TOTALS + ("results_to_rank0",))
     return phase_s, {phase: fit for phase in phase_s}, totals
 
 
-def _extrapolated_totals(coord: dict[int, dict], fields, extrapolate) -> dict:
-    """`extrapolate(field)` for each total; a peak does not shrink with more data, so the peak
-    memory is never below what the measured points reached."""
-    totals = {k: extrapolate(lambda c, k=k: c[k]) for k in fields}
-    totals["peak_mem_bytes"] = max(totals["peak_mem_bytes"], max(c["peak_mem_bytes"] for c in coord.values()))
-    return totals
+def _on_the_line(coord: dict[int, dict], x: float, totals, x_of=lambda n: n) -> tuple[dict, dict]:
+    """(phase seconds, totals) at x on the straight line through the measurements at each N,
+    placed at x_of(N). A peak does not shrink with more data, so the peak memory is never
+    below what the measured points reached."""
+    xs = [x_of(n) for n in coord]
+
+    def line(values):
+        return _extrapolate_linear(dict(zip(xs, values)), x)
+
+    points = list(coord.values())
+    phase_s = {k: line([m["phase_s"][k] for m in points]) for k in coord[max(coord)]["phase_s"]}
+    at_x = {k: line([m[k] for m in points]) for k in totals}
+    at_x["peak_mem_bytes"] = max(at_x["peak_mem_bytes"], max(m["peak_mem_bytes"] for m in points))
+    return phase_s, at_x
 
 
 def _stock_validation(valid: dict[int, float], n: int) -> tuple[float, str]:
