@@ -4,6 +4,7 @@ import collections
 import json
 import subprocess
 import sys
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -165,11 +166,13 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
 
     stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
     owned_plans = []
-    for rank, ours, _ in planned_as_every_rank(case, ScalableSavePlanner):
-        assert ours.mode == "derived"
-        owned_plans.append(ours.plan)
-        if rank == 0:
-            derived = ours.derived_metadata()
+    # closed on the way out, so a failed assert still leaves the fake world
+    with closing(planned_as_every_rank(case, ScalableSavePlanner)) as ranks:
+        for rank, ours, _ in ranks:
+            assert ours.mode == "derived"
+            owned_plans.append(ours.plan)
+            if rank == 0:
+                derived = ours.derived_metadata()
     _, stock_md = create_default_global_save_plan(DefaultSavePlanner()._dedup_save_plans(stock_plans))
     assert describe_metadata(derived) == describe_metadata(stock_md)
     assert validate_chunks(derived) == []

@@ -1,6 +1,7 @@
 """ScalableFileSystemWriter: its columnar finish writes the storage index stock would."""
 
 import pickle
+from contextlib import closing
 
 from hypothesis import given, settings
 from torch.distributed.checkpoint import DefaultSavePlanner
@@ -61,7 +62,6 @@ def test_other_planners_and_storage_infos_keep_the_stock_results():
     _, results, written = save_as_every_rank(case)
     assert all(isinstance(w, WrittenItems) for w in written)
     results[0][0].storage_data.transform_descriptors = ["zstd"]  # something the columns do not carry
-    ranks = planned_as_every_rank(case, ScalableSavePlanner)
-    _, ours, _ = next(ranks)  # rank 0
-    assert WrittenItems.of(results[0], ours) is None
-    ranks.close()
+    with closing(planned_as_every_rank(case, ScalableSavePlanner)) as ranks:  # leaves the fake world
+        _, ours, _ = next(ranks)  # rank 0
+        assert WrittenItems.of(results[0], ours) is None
