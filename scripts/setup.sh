@@ -16,8 +16,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python"
   exit 0
 fi
 # Fail before pip does, with a message that says how much to free. Measured here
-# (scripts/setup.sh on a fresh clone, df sampled every second): the user stack's venv
-# is 6.8 GB and pip holds 4.3 GB of downloaded wheels beside it at the peak; the newest
+# (scripts/setup.sh on a fresh clone, df sampled every second): the user stack's install
+# peaks at 10.5 GB, pip's downloads reaching 4.3 GB, and leaves a 6.8 GB venv; the newest
 # stack's venv is 5.7 GB and its torch wheel lies on this machine's disk.
 case "$stack" in
   newest) venv_mb=6000 download_mb=500 ;;
