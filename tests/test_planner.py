@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from ckptdoctor.launcher import launch
 from conftest import describe_metadata, listed_items, written_items
 from ckptdoctor.planner import assign_owners, owned_items, validate_chunks
+from fake_ranks import planned_as_every_rank, random_state_dicts
 
 JOB = Path(__file__).parent / "jobs" / "planner_job.py"
 
@@ -95,66 +96,6 @@ def test_every_replicated_item_has_exactly_one_owner_and_loads_are_balanced(size
 
 
 # -- random state dicts: rank 0's derived metadata is stock's, and is what the ranks write ---
-
-def fake_world(rank: int, world: int, mesh_shape: tuple[int, ...]):
-    """A process group that only gives this process its rank (torch's fake backend)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-    return init_device_mesh("cpu", mesh_shape)
-
-
-def leave_fake_world() -> None:
-    """Later tests in this process must not find a process group (dcp.save would use it)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-@st.composite
-def random_state_dicts(draw):
-    """(world, mesh shape, DTensor specs, plain tensor shapes, bytes values)."""
-    world = draw(st.sampled_from([2, 3, 4, 6, 8]))
-    mesh_shape = draw(st.sampled_from([(world,)] + ([(2, world // 2)] if world % 2 == 0 and world > 2 else [])))
-    dtensors = []
-    for _ in range(draw(st.integers(1, 4))):
-        shape = tuple(draw(st.lists(st.integers(1, 10), min_size=1, max_size=3)))
-        placements = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh_shape)  # None: Replicate
-        dtensors.append((shape, placements))
-    plain = draw(st.lists(st.lists(st.integers(1, 5), max_size=2).map(tuple), max_size=2))
-    values = draw(st.lists(st.integers(0, 99), max_size=2))
-    return world, mesh_shape, dtensors, plain, values
-
-
-def build_random(mesh, dtensors, plain, values) -> dict:
-    from torch.distributed.tensor import Replicate, Shard
-
-    from ckptdoctor.simulate import _meta_dtensor
-
-    state = {f"d{i}": _meta_dtensor(shape, mesh, [Replicate() if p is None else Shard(p) for p in placements])
-             for i, (shape, placements) in enumerate(dtensors)}
-    state |= {f"p{i}": torch.empty(shape, device="meta") for i, shape in enumerate(plain)}
-    return state | {f"b{i}": value for i, value in enumerate(values)}
-
-
-def planned_as_every_rank(case, make_planner):
-    """(rank, planner, local plan) for every rank of `case`'s world: the planner set up on that
-    rank's state dict in torch's fake process group, after `create_local_plan`."""
-    world, mesh_shape, dtensors, plain, values = case
-    try:
-        for rank in range(world):
-            planner = make_planner()
-            planner.set_up_planner(build_random(fake_world(rank, world, mesh_shape), dtensors, plain, values),
-                                   None, rank == 0)
-            yield rank, planner, planner.create_local_plan()
-    finally:
-        leave_fake_world()
-
 
 @settings(max_examples=200, deadline=None)
 @given(random_state_dicts())

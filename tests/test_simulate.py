@@ -10,6 +10,7 @@ import pytest
 
 from ckptdoctor.errors import BadLayout
 from conftest import describe_metadata, listed_items, written_items
+from fake_ranks import leave_fake_world
 from ckptdoctor.model import MovaShape
 from ckptdoctor.scaling import _extrapolate_linear, _extrapolate_power
 from ckptdoctor.simulate import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
@@ -43,14 +44,7 @@ def test_a_wrong_derivation_is_caught():
             simulate.verify_derivation("model", specs, 8, Layout.parse("fsdp"), [3])
     finally:
         simulate.derive_plan = original
-        _destroy()
-
-
-def _destroy():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        leave_fake_world()
 
 
 def interleaved_best(measure, ns, repeats=3) -> dict:
@@ -87,7 +81,7 @@ def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
                                                                                 validation_sample=1).phase_s.items()
                                               if k != "validate"), (8, 16, 32))
     finally:
-        _destroy()
+        leave_fake_world()
     predicted = _extrapolate_linear({8: runs[8], 16: runs[16]}, 32)
     assert abs(predicted - runs[32]) <= 0.3 * runs[32], (runs, predicted)
 
@@ -102,7 +96,7 @@ def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_with
                                                                     planner="ours").phase_s.values()), ns)
         chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in ns}
     finally:
-        _destroy()
+        leave_fake_world()
     assert chunks[96] > 2 * chunks[32]
     predicted = _extrapolate_linear({chunks[16]: finish[16], chunks[32]: finish[32]}, chunks[96])
     assert abs(predicted - finish[96]) <= 0.3 * finish[96], (finish, chunks, predicted)
@@ -205,4 +199,4 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
             assert sorted(written_items(ours)) == sorted(listed_items(derived))  # what is listed is what is written
             assert sum(len(p.items) for p in stock) > chunks  # and stock did ship duplicates
     finally:
-        _destroy()
+        leave_fake_world()

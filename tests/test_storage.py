@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ckptdoctor.planner import ScalableSavePlanner
 from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
-from test_planner import planned_as_every_rank, random_state_dicts
+from fake_ranks import planned_as_every_rank, random_state_dicts
 
 
 def results_for(plan, rank: int) -> list[WriteResult]:
