@@ -1,18 +1,30 @@
 """ckptdoctor: reproduce, explain and fix distributed-checkpoint hangs in FSDP2 + Accelerate.
 
-The library API a trainer imports: `from ckptdoctor import ScalableSavePlanner,
-ScalableFileSystemWriter` (or `ScalableCheckpointing` for Accelerate). Loaded on first use,
-so that the CLI's log diagnosis does not import torch.
+The package's concerns, one sub-package each:
+
+* ``ckptdoctor.fix``: what a training job imports (planner, storage writer, checkpointing,
+  save watchdog). Needs torch (and Accelerate for ``ScalableCheckpointing``), nothing else.
+* ``ckptdoctor.diagnose``: reading logs of failed saves and loads (no torch needed).
+* ``ckptdoctor.repro`` and ``ckptdoctor.simulate``: the lab, which reproduces the hang with
+  real processes and simulates rank 0's work at thousands of ranks.
+
+This module exports the trainer-facing names and imports none of the lab. They load on
+first use, so that ``import ckptdoctor`` (and the CLI's log diagnosis) costs no torch import.
 """
 
-__version__ = "0.1.0"
-__all__ = ["ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing"]
-_HOMES = {"ScalableSavePlanner": "planner", "ScalableFileSystemWriter": "storage", "ScalableCheckpointing": "checkpointing"}
+__version__ = "0.2.0"
+__all__ = ["ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing", "SaveWatchdog"]
+_HOMES = {"ScalableSavePlanner": "planner", "ScalableFileSystemWriter": "storage",
+          "ScalableCheckpointing": "checkpointing", "SaveWatchdog": "watchdog"}
 
 
 def __getattr__(name):
     if name in _HOMES:
         import importlib
 
-        return getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+        return getattr(importlib.import_module(f".fix.{_HOMES[name]}", __name__), name)
     raise AttributeError(f"module 'ckptdoctor' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

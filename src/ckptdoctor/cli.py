@@ -30,9 +30,9 @@ def _write_json(path: str | None, data) -> None:
 
 
 def cmd_repro(args) -> int:
-    from .config import TrainingConfig
-    from .repro import ReproOptions, format_report, reproduce
-    from .stacks import current_stack
+    from .repro.config import TrainingConfig
+    from .repro.reproduce import ReproOptions, format_report, reproduce
+    from .repro.stacks import current_stack
 
     current_stack()  # a clear error on anything but the pinned stacks
     TrainingConfig(world_size=args.ranks, mode=args.mode, cp_size=args.cp)  # validates the layout first
@@ -65,8 +65,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def cmd_simulate(args) -> int:
-    from .scaling import ScalingOptions, build_records, format_table, measure_all, plot
-    from .simulate import Layout
+    from .simulate.scaling import ScalingOptions, build_records, format_table, measure_all, plot
+    from .simulate.save import Layout
 
     layouts = [Layout.parse(x) for x in args.layout.split(",")]
     for n in args.ranks:
@@ -98,8 +98,8 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .scaling import check_layout, format_table
-    from .simulate import Layout
+    from .simulate.scaling import check_layout, format_table
+    from .simulate.save import Layout
 
     if not 0 < args.warn_fraction <= 1:
         raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {args.warn_fraction}")

@@ -16,8 +16,9 @@ import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ..errors import CkptDoctorError
+from ..ranks import format_ranks
 from . import callpath
-from .errors import CkptDoctorError
 
 RANK_MARK = re.compile(r"\[rank(\d+)\]:")
 FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([\w<>]+)')
@@ -205,7 +206,7 @@ def rank_causes(report: dict, ranks: dict) -> list[dict]:
                        "evidence": [report["error"] or ""], "action": "find the rank that did not arrive"})
     elif kind == "peer-closed":
         causes.append({"cause": "another rank died: its gloo connection closed", "score": 0.8,
-                       "evidence": [f"ranks {callpath.format_ranks(report['ranks'])} saw their peer close the connection"],
+                       "evidence": [f"ranks {format_ranks(report['ranks'])} saw their peer close the connection"],
                        "action": "find the first rank that exited (its own error, or an OOM kill on its host)"})
     elif kind == "collective-watchdog":
         causes.append({"cause": "an NCCL/HCCL collective timed out (the device group, not the gloo plan exchange)",
@@ -230,10 +231,10 @@ def format_report(report: dict) -> str:
     lines = [f"failure: {report['error_kind']} during the {what} "
              f"({report['phase'] or 'phase unknown'}, waiting in {report['waiting_call'] or '?'})"]
     if report["ranks"]:
-        lines.append(f"reported by ranks {callpath.format_ranks(report['ranks'])} on node(s) "
-                     f"{callpath.format_ranks(report['nodes'])} (8 ranks per node assumed)")
+        lines.append(f"reported by ranks {format_ranks(report['ranks'])} on node(s) "
+                     f"{format_ranks(report['nodes'])} (8 ranks per node assumed)")
     if report["waiting_on"]:
-        lines.append(f"waiting on: rank {callpath.format_ranks(report['waiting_on'])} (the DCP coordinator)")
+        lines.append(f"waiting on: rank {format_ranks(report['waiting_on'])} (the DCP coordinator)")
     if report["timeout_ms"] is not None:
         lines.append(f"timeout: {report['timeout_ms']} ms")
     lines.append(f"versions implied by the frames: torch {report['torch'] or 'unknown'}, "

@@ -47,8 +47,9 @@ def _pump(stream, rank: int, log, lock: threading.Lock, echo) -> None:
 
 
 def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float = 5.0,
-           timeout_s: float = 1800.0, env: dict | None = None, echo=None) -> JobResult:
-    """Run `python <args>` as `world_size` ranks; returns when all have exited."""
+           timeout_s: float = 1800.0, env: dict | None = None, echo=None, python: str | None = None) -> JobResult:
+    """Run `python <args>` as `world_size` ranks (this interpreter unless `python` names
+    another); returns when all have exited."""
     port = free_port()
     base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
@@ -59,7 +60,7 @@ def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float =
     with open(log_path, "w") as log:
         for rank in range(world_size):
             rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-            proc = subprocess.Popen([sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
+            proc = subprocess.Popen([python or sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(proc)
             thread = threading.Thread(target=_pump, args=(proc.stdout, rank, log, lock, echo), daemon=True)

@@ -21,13 +21,13 @@ exactly as HCCL and gloo are apart on NPU.
 
 from __future__ import annotations
 
-from .errors import UnsupportedVersion
+from ..errors import UnsupportedVersion
 
 SUPPORTED_ACCELERATE = ("1.13.0", "1.15.0")
 
 
 def _check_accelerate_version() -> None:
-    from .stacks import installed_versions
+    from ..fix.compat import installed_versions
 
     version = installed_versions()[1]
     if version not in SUPPORTED_ACCELERATE:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from importlib import metadata
-
-from .errors import UnsupportedVersion
+from ..errors import UnsupportedVersion
+from ..fix.compat import installed_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,16 +17,6 @@ class Stack:
 USER = Stack("user", torch="2.8.0", accelerate="1.13.0")      # pinned by the report's line numbers
 NEWEST = Stack("newest", torch="2.14.1", accelerate="1.15.0")  # newest under this machine's torch cap
 STACKS = {s.name: s for s in (USER, NEWEST)}
-
-
-def installed_versions() -> tuple[str, str]:
-    """(torch, accelerate) versions of this interpreter, local tags (+cu128) dropped."""
-    def version(pkg):
-        try:
-            return metadata.version(pkg).split("+")[0]
-        except metadata.PackageNotFoundError:
-            return "not installed"
-    return version("torch"), version("accelerate")
 
 
 def current_stack() -> Stack:

@@ -20,13 +20,14 @@ import shutil
 import time
 from pathlib import Path
 
-from . import callpath
+from ..diagnose import callpath
+from ..diagnose.timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
+from ..errors import CkptDoctorError
+from ..fix.compat import installed_versions
+from ..ranks import format_ranks
 from .config import TrainingConfig
-from .errors import CkptDoctorError
 from .launcher import launch
 from .model import MovaShape
-from .stacks import installed_versions
-from .timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
 from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
 from .worker import WorkerSpec
 
@@ -87,7 +88,7 @@ def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, ti
     spec_path = root / "spec.json"
     spec_path.write_text(spec.to_json())
     progress(f"  {name}: {opts.world_size} ranks, {opts.mode}, gloo deadline {deadline_s:.3f} s, log {root / 'job.log'}")
-    job = launch(["-m", "ckptdoctor.worker", str(spec_path)], opts.world_size, root / "job.log",
+    job = launch(["-m", "ckptdoctor.repro.worker", str(spec_path)], opts.world_size, root / "job.log",
                  timeout_s=opts.job_timeout_s)
     ranks = []
     for rank in range(opts.world_size):
@@ -257,7 +258,7 @@ def format_report(report: dict) -> str:
                      f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms")
     lines.append(f"  model save completed: {report['model_save_ok']}; optimizer save completed: {report['optimizer_save_ok']}")
     if report["gloo_error"]:
-        lines.append(f"  ranks {callpath.format_ranks(report['ranks_timed_out'])} failed in {report['failed_call']} "
+        lines.append(f"  ranks {format_ranks(report['ranks_timed_out'])} failed in {report['failed_call']} "
                      f"-> {report['failed_phase']} ({report['waiting_call']}):")
         lines.append(f"    RuntimeError: {report['gloo_error']}")
         lines.append("  frames (outermost first): " + " -> ".join(report["frames"]))

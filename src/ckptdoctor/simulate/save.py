@@ -27,8 +27,8 @@ import resource
 import time
 from collections import ChainMap
 
-from .errors import BadLayout
-from .model import MOVA, MovaShape, inject_lora
+from ..errors import BadLayout
+from ..repro.model import MOVA, MovaShape, inject_lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,7 +256,7 @@ def placement_for(rank: int, ranks: int, layout: Layout, planner0):
     """ScalableSavePlanner's view of rank `rank`'s DTensors (see planner.Placement)."""
     from torch.distributed.tensor import DTensor
 
-    from .planner import Placement
+    from ..fix.planner import Placement
 
     mesh_shape, coordinate = tuple(layout.mesh_shape(ranks)), tuple(layout.coordinate(rank, ranks))
     placements = tuple(layout.placements())
@@ -270,7 +270,7 @@ def placement_for(rank: int, ranks: int, layout: Layout, planner0):
 def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progress=None):
     """Every rank's local plan as it reaches rank 0 (stock), or the items each rank writes
     (ours: after ScalableSavePlanner's ownership step)."""
-    from .planner import owned_items
+    from ..fix.planner import owned_items
 
     mesh = init_fake_world(0, ranks, layout)
     plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
@@ -318,7 +318,7 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
 def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> CoordinatorMeasurement:
     """The finish step with ScalableFileSystemWriter: each rank sends its write results as
     integer columns (`WrittenItems`), rank 0 pickles the storage index as columns."""
-    from .storage import StorageColumns, WrittenItems, _with_storage_columns
+    from ..fix.storage import StorageColumns, WrittenItems, _with_storage_columns
 
     gc.collect()
     baseline = _rss_bytes()
@@ -360,7 +360,7 @@ def _finish_phases(timer, metadata, result_blobs) -> None:
 def scalable_local_plan(state_dict: dict):
     """(planner, the plan it sends rank 0): `ScalableSavePlanner`'s local step as rank 0 of
     the fake world, which must take the derived-metadata path."""
-    from .planner import ScalableSavePlanner
+    from ..fix.planner import ScalableSavePlanner
 
     planner = ScalableSavePlanner()
     planner.set_up_planner(state_dict, None, True)
@@ -381,7 +381,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from .planner import clear_chunk_caches, validate_chunks
+    from ..fix.planner import clear_chunk_caches, validate_chunks
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from .callpath import format_ranks
+from ..ranks import format_ranks
 
 log = logging.getLogger("ckptdoctor.watchdog")
 STORE_PREFIX = "ckptdoctor/watchdog/"
@@ -67,19 +67,15 @@ class SaveWatchdog(logging.Handler):
                 self.phase, self.since = phase, time.monotonic()
 
     def __enter__(self) -> "SaveWatchdog":
-        from .probes import _dcp_logger
-
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        _dcp_logger().addHandler(self)
+        dcp_logger().addHandler(self)
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        from .probes import _dcp_logger
-
         self._stop.set()
         self._thread.join(timeout=5)
-        _dcp_logger().removeHandler(self)
+        dcp_logger().removeHandler(self)
 
     # -- the watching thread: files, one log line, a store key; never a collective ----------
     def _watch(self) -> None:
@@ -125,6 +121,14 @@ class SaveWatchdog(logging.Handler):
         if silent:
             parts.append(f"ranks {format_ranks(silent)}: nothing reported (below the threshold, or gone)")
         return "; ".join(parts)
+
+
+def dcp_logger() -> logging.Logger:
+    """The logger torch's `_dcp_method_logger` writes each DCP step's start/end events to
+    ("c10d-NullHandler-dcp_logger" in torch 2.8 and 2.14: DEBUG level, not propagating)."""
+    from torch.distributed.checkpoint import logger as dcp_logging
+
+    return dcp_logging._dcp_logger
 
 
 def _default_store():

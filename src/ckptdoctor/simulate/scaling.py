@@ -28,12 +28,12 @@ import os
 import subprocess
 from pathlib import Path
 
-from .errors import CkptDoctorError
-from .model import MovaShape
-from .simulate import Layout
-from .stacks import STACKS
+from ..errors import CkptDoctorError
+from ..repro.model import MovaShape
+from .save import Layout
+from ..repro.stacks import STACKS
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]  # the checkout: its .venv/<stack> interpreters
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
 TOTALS = ("items_gathered", "bytes_to_rank0", "bytes_from_rank0", "peak_mem_bytes")
@@ -63,7 +63,7 @@ def stack_python(stack: str) -> str:
 
 
 def run_job(stack: str, job: dict) -> dict:
-    proc = subprocess.run([stack_python(stack), "-m", "ckptdoctor.simulate", json.dumps(job)],
+    proc = subprocess.run([stack_python(stack), "-m", "ckptdoctor.simulate.save", json.dumps(job)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise CkptDoctorError(f"simulation job failed on the {stack} stack: {proc.stderr.strip().splitlines()[-1:]}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .checkpointing import ScalableCheckpointing
+from ..fix.checkpointing import ScalableCheckpointing
 
 # The checkpoint group's timeout relative to the training deadline. docs/fix-for-mova.md
 # recommends 3 h for saves beside the 30 min default: the reproduction scales both alike.

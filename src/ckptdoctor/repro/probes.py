@@ -26,8 +26,9 @@ import logging
 import os
 import time
 
-from .errors import UnsupportedVersion
-from .timeline import CollectiveCall, StepEvent
+from ..errors import UnsupportedVersion
+from ..diagnose.timeline import CollectiveCall, StepEvent
+from ..fix.watchdog import dcp_logger
 
 TIMED_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object", "barrier")
 TIMED_GLOO_OPS = ("broadcast", "scatter", "gather", "all_gather")  # recorded as "c10d.<name>"
@@ -71,11 +72,11 @@ class SaveProbe(logging.Handler):
         return wrapper
 
     def install(self, time_collectives: bool = True) -> "SaveProbe":
-        from .stacks import installed_versions
+        from ..fix.compat import installed_versions
 
         if time_collectives and installed_versions()[0] not in CHECKED_TORCH:
             raise UnsupportedVersion(f"collective timing is checked on torch {', '.join(CHECKED_TORCH)} only")
-        _dcp_logger().addHandler(self)
+        dcp_logger().addHandler(self)
         if time_collectives:
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
@@ -90,7 +91,7 @@ class SaveProbe(logging.Handler):
     def _record_local_plans(self) -> None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        from .simulate import plan_signature
+        from ..simulate.save import plan_signature
 
         original = self._originals[(DefaultSavePlanner, "create_local_plan")] = DefaultSavePlanner.create_local_plan
         probe = self
@@ -105,15 +106,7 @@ class SaveProbe(logging.Handler):
         DefaultSavePlanner.create_local_plan = create_local_plan
 
     def uninstall(self) -> None:
-        _dcp_logger().removeHandler(self)
+        dcp_logger().removeHandler(self)
         for (module, name), original in self._originals.items():
             setattr(module, name, original)
         self._originals.clear()
-
-
-def _dcp_logger() -> logging.Logger:
-    """The logger `_dcp_method_logger` writes to ("c10d-NullHandler-dcp_logger" in torch
-    2.8 and 2.14: DEBUG level, not propagating)."""
-    from torch.distributed.checkpoint import logger as dcp_logging
-
-    return dcp_logging._dcp_logger

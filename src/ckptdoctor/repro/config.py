@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .errors import BadLayout
+from ..errors import BadLayout
 
 WRAP_CLASSES = ("DiTBlock", "ConditionalCrossAttentionBlock")
 

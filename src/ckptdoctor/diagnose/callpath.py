@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+
 # The report's frames, outermost first (function names only), from save_state down.
 REPORTED_SAVE_FRAMES = ("save_state", "save_fsdp_optimizer", "save", "_save_state_dict", "reduce_scatter",
                         "scatter_object", "scatter_object_list", "broadcast")
@@ -71,16 +72,3 @@ def matches_report(frames: list[str]) -> bool:
 def gloo_timeout_ms(text: str) -> int | None:
     match = GLOO_TIMEOUT.search(text)
     return int(match.group(1)) if match else None
-
-
-def format_ranks(ranks) -> str:
-    """[1, 2, 3, 7] -> "1-3,7" (sorted); "none" for no ranks."""
-    out, start, prev = [], None, None
-    for r in sorted(ranks) + [None]:
-        if start is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            out.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    return ",".join(out) or "none"

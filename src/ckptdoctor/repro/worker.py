@@ -1,4 +1,4 @@
-"""One rank of a training job: `python -m ckptdoctor.worker SPEC.json` (started by the launcher).
+"""One rank of a training job: `python -m ckptdoctor.repro.worker SPEC.json` (started by the launcher).
 
 The default process group stands for the gloo half of the reporter's "cpu:gloo,npu:hccl"
 group and carries the checkpoint deadline; FSDP trains on a second gloo group with the
@@ -134,7 +134,7 @@ def run(spec: WorkerSpec) -> int:
 
 def resume(trainer, spec: WorkerSpec, save_hook) -> None:
     """Continue from a published checkpoint, as MOVA's _resume_checkpoint would with the fix."""
-    from .checkpointing import ScalableCheckpointing
+    from ..fix.checkpointing import ScalableCheckpointing
     from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
 
     checkpointing = ScalableCheckpointing(trainer.accelerator,

@@ -1,6 +1,6 @@
 """One call in a training script: Accelerate's save_state/load_state with the fix.
 
-    from ckptdoctor.checkpointing import ScalableCheckpointing
+    from ckptdoctor import ScalableCheckpointing
     ckpt = ScalableCheckpointing(accelerator, timeout_s=3 * 3600)   # after accelerator.prepare
     ckpt.save_state(step_dir / "accelerator")                         # instead of accelerator.save_state
     ckpt.load_state(ckpt.latest(output_dir, "accelerator"))           # instead of accelerator.load_state
@@ -34,11 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import CkptDoctorError, UnsupportedVersion
+from ..errors import CkptDoctorError
+from .compat import check_versions
 from .planner import ScalableSavePlanner
 from .storage import ScalableFileSystemWriter
 
-CHECKED = {"torch": ("2.8.0", "2.14.1"), "accelerate": ("1.13.0", "1.15.0")}
 INCOMPLETE = ".incomplete"
 COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
@@ -47,16 +47,6 @@ HEARTBEAT_S = 1.0  # during a save each rank bumps a store counter this often
 
 class CheckpointAborted(CkptDoctorError):
     """A save or load could not finish on every rank."""
-
-
-def check_versions() -> None:
-    from .stacks import installed_versions
-
-    torch_v, accelerate_v = installed_versions()
-    if torch_v not in CHECKED["torch"] or accelerate_v not in CHECKED["accelerate"]:
-        raise UnsupportedVersion(f"ScalableCheckpointing is checked on torch {'/'.join(CHECKED['torch'])} and "
-                                 f"accelerate {'/'.join(CHECKED['accelerate'])}, not torch {torch_v} / "
-                                 f"accelerate {accelerate_v}")
 
 
 class ScalableCheckpointing:
