@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from ckptdoctor import stacks
 from ckptdoctor.cli import main
+from ckptdoctor.repro import stacks
 
 
 def _run(*args):

@@ -1,4 +1,4 @@
-from ckptdoctor import callpath
+from ckptdoctor.diagnose import callpath
 
 REPORT_FRAMES = ["main", "train", "_save_checkpoint", "save_state", "save_fsdp_optimizer", "wrapper", "inner_func",
                  "save", "_save_state_dict", "reduce_scatter", "scatter_object", "wrapper", "scatter_object_list",
@@ -29,7 +29,7 @@ def test_gloo_timeout_is_read_from_the_users_report(user_report_text):
 
 
 def test_format_ranks_folds_runs():
-    from ckptdoctor.callpath import format_ranks
+    from ckptdoctor.ranks import format_ranks
 
     assert format_ranks([7, 1, 2, 3, 9, 10]) == "1-3,7,9-10"
     assert format_ranks([]) == "none"

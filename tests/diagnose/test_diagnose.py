@@ -8,7 +8,7 @@ import tracemalloc
 
 import pytest
 
-from ckptdoctor.diagnose import diagnose, segments
+from ckptdoctor.diagnose.logs import diagnose, segments
 
 SP = "/usr/local/lib/python3.11/site-packages"
 SAVE_OPTIM_28 = [

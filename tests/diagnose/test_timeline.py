@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptdoctor.probes import SaveProbe
-from ckptdoctor.timeline import CollectiveCall, StepEvent, phase_at, save_timeline, save_waits
+from ckptdoctor.diagnose.timeline import CollectiveCall, StepEvent, phase_at, save_timeline, save_waits
+from ckptdoctor.repro.probes import SaveProbe
 
 SAVE = "optimizer_0"
 

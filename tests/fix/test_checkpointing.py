@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from ckptdoctor.checkpointing import COMPLETE_MARKER, ScalableCheckpointing, local_adapter_state
 from ckptdoctor.errors import CkptDoctorError
+from ckptdoctor.fix.checkpointing import COMPLETE_MARKER, ScalableCheckpointing, local_adapter_state
+
+from support.paths import JOBS
 
 
 def test_latest_skips_incomplete_and_unmarked_saves(tmp_path):
@@ -40,12 +42,12 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     import time
     from pathlib import Path
 
-    from ckptdoctor.config import TrainingConfig
-    from ckptdoctor.launcher import launch
-    from ckptdoctor.model import MovaShape
-    from ckptdoctor.worker import WorkerSpec
+    from ckptdoctor.repro.config import TrainingConfig
+    from ckptdoctor.repro.launcher import launch
+    from ckptdoctor.repro.model import MovaShape
+    from ckptdoctor.repro.worker import WorkerSpec
 
-    job = Path(__file__).parent / "jobs" / "kill_job.py"
+    job = JOBS / "kill_job.py"
     (tmp_path / "results").mkdir()
     spec = WorkerSpec(TrainingConfig(world_size=4, max_steps=2, save_interval=1), MovaShape(),
                       str(tmp_path / "checkpoints"), str(tmp_path / "results"), checkpoint_deadline_s=600.0,
@@ -64,7 +66,7 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     killed_at = float((tmp_path / "results" / "killed_at").read_text())
     assert killed_at > start
     assert max(r["error_time_s"] for r in reports.values()) - killed_at < 30, "survivors must fail within 30 s"
-    from ckptdoctor.diagnose import diagnose
+    from ckptdoctor.diagnose.logs import diagnose
 
     diagnosis = diagnose([tmp_path / "train.log"])  # the fault test's own log, read by the diagnoser
     assert diagnosis["error_kind"] == "peer-closed" and set(diagnosis["ranks"]) <= {0, 1, 3}
@@ -83,10 +85,10 @@ def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit
     import shutil
     from pathlib import Path
 
-    from ckptdoctor.config import TrainingConfig
-    from ckptdoctor.launcher import launch
-    from ckptdoctor.model import MovaShape
-    from ckptdoctor.worker import WorkerSpec
+    from ckptdoctor.repro.config import TrainingConfig
+    from ckptdoctor.repro.launcher import launch
+    from ckptdoctor.repro.model import MovaShape
+    from ckptdoctor.repro.worker import WorkerSpec
 
     def run(name, resume_step=None):
         results = tmp_path / name / "results"
@@ -95,7 +97,7 @@ def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit
                           str(tmp_path / name / "checkpoints"), str(results), checkpoint_deadline_s=600.0, fix=True,
                           resume_step=resume_step)
         (tmp_path / name / "spec.json").write_text(spec.to_json())
-        job = launch(["-m", "ckptdoctor.worker", str(tmp_path / name / "spec.json")], 4, tmp_path / name / "job.log",
+        job = launch(["-m", "ckptdoctor.repro.worker", str(tmp_path / name / "spec.json")], 4, tmp_path / name / "job.log",
                      timeout_s=900)
         assert job.returncodes == [0] * 4, (tmp_path / name / "job.log").read_text()[-3000:]
         return [json.loads((results / f"rank{r}.json").read_text())["losses"] for r in range(4)]

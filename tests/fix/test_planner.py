@@ -17,12 +17,14 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from ckptdoctor.launcher import launch
-from conftest import describe_metadata, listed_items, written_items
-from ckptdoctor.planner import assign_owners, owned_items, validate_chunks
-from fake_ranks import planned_as_every_rank, random_state_dicts
+from ckptdoctor.fix.planner import assign_owners, owned_items, validate_chunks
+from ckptdoctor.repro.launcher import launch
 
-JOB = Path(__file__).parent / "jobs" / "planner_job.py"
+from support.fake_ranks import planned_as_every_rank, random_state_dicts
+from support.metadata import describe_metadata, listed_items, written_items
+from support.paths import JOBS
+
+JOB = JOBS / "planner_job.py"
 
 
 # -- validation: the same verdict as torch's, in linear time -----------------------------
@@ -103,7 +105,7 @@ def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
-    from ckptdoctor.planner import ScalableSavePlanner
+    from ckptdoctor.fix.planner import ScalableSavePlanner
 
     stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
     owned_plans = []

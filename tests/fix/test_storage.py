@@ -9,9 +9,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptdoctor.planner import ScalableSavePlanner
-from ckptdoctor.storage import StorageColumns, WrittenItems, _with_storage_columns
-from fake_ranks import planned_as_every_rank, random_state_dicts
+from ckptdoctor.fix.planner import ScalableSavePlanner
+from ckptdoctor.fix.storage import StorageColumns, WrittenItems, _with_storage_columns
+
+from support.fake_ranks import planned_as_every_rank, random_state_dicts
 
 
 def results_for(plan, rank: int) -> list[WriteResult]:

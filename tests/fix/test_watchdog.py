@@ -5,9 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptdoctor.launcher import launch
+from ckptdoctor.repro.launcher import launch
 
-JOB = Path(__file__).parent / "jobs" / "watchdog_job.py"
+from support.paths import JOBS
+
+JOB = JOBS / "watchdog_job.py"
 
 
 @pytest.mark.slow

@@ -12,8 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from ckptdoctor import planner, worker
-from ckptdoctor.checkpointing import ScalableCheckpointing
+from ckptdoctor.fix import planner
+from ckptdoctor.repro import worker
+from ckptdoctor.fix.checkpointing import ScalableCheckpointing
 
 
 def arm(victim: int, results_dir: str) -> None:
@@ -35,7 +36,7 @@ def resume(spec_path: str) -> int:
 
     import torch.distributed as dist
 
-    from ckptdoctor.trainer import AccelerateTrainer
+    from ckptdoctor.repro.trainer import AccelerateTrainer
 
     spec = worker.WorkerSpec.from_json(Path(spec_path).read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

@@ -1,4 +1,4 @@
-"""One rank of a planner test job (started by tests/test_planner.py through ckptdoctor.launcher).
+"""One rank of a planner test job (started by tests/fix/test_planner.py through ckptdoctor.repro.launcher).
 
     python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
                                                  (PLANNER: stock, ours, ours-owned = without derived metadata,

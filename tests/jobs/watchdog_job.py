@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from ckptdoctor.watchdog import SaveWatchdog
+from ckptdoctor.fix.watchdog import SaveWatchdog
 
 
 class SlowCoordinator(DefaultSavePlanner):

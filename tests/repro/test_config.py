@@ -1,8 +1,8 @@
 import pytest
 from torch.distributed.fsdp import CPUOffloadPolicy, FullOptimStateDictConfig, FullStateDictConfig
 
-from ckptdoctor.config import TrainingConfig, fsdp_plugin_kwargs, parallelism_kwargs
 from ckptdoctor.errors import BadLayout
+from ckptdoctor.repro.config import TrainingConfig, fsdp_plugin_kwargs, parallelism_kwargs
 
 
 def test_plugin_kwargs_carry_movas_choices():

@@ -1,7 +1,7 @@
 import torch
 
-from ckptdoctor.model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, MovaShape, build_model,
-                              tensor_counts)
+from ckptdoctor.repro.model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, MovaShape, build_model,
+                                    tensor_counts)
 
 
 def test_dit_block_has_the_27_tensors_of_a_wan_block():

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from ckptdoctor.repro import ReproOptions, reproduce
-from ckptdoctor.stacks import USER, installed_versions
+from ckptdoctor.repro.reproduce import ReproOptions, reproduce
+from ckptdoctor.repro.stacks import USER, installed_versions
 
 pytestmark = pytest.mark.slow
 FRAME = re.compile(r'File "[^"]*site-packages/([^"]+)", line (\d+), in (\w+)')
@@ -95,7 +95,7 @@ def test_the_fix_completes_at_the_stock_deadline_and_round_trips_bit_exactly(whi
 
 
 def test_diagnose_reads_the_reproductions_own_log(sft):
-    from ckptdoctor.diagnose import diagnose
+    from ckptdoctor.diagnose.logs import diagnose
 
     report = diagnose([sft["log"]])
     assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \

@@ -9,17 +9,18 @@ import sys
 import pytest
 
 from ckptdoctor.errors import BadLayout
-from conftest import describe_metadata, listed_items, written_items
-from fake_ranks import leave_fake_world
-from ckptdoctor.model import MovaShape
-from ckptdoctor.scaling import _extrapolate_linear, _extrapolate_power
-from ckptdoctor.simulate import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
+from ckptdoctor.repro.model import MovaShape
+from ckptdoctor.simulate.save import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
+from ckptdoctor.simulate.scaling import _extrapolate_linear, _extrapolate_power
+
+from support.fake_ranks import leave_fake_world
+from support.metadata import describe_metadata, listed_items, written_items
 
 SHAPE = MovaShape().with_layers(12)
 
 
 def run_simulate_job(job: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate", json.dumps(job)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate.save", json.dumps(job)], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -34,7 +35,7 @@ def test_derived_plans_equal_constructed_ones_on_sampled_ranks(layout, ranks, sa
 
 def test_a_wrong_derivation_is_caught():
     """verify_derivation must be able to fail: compare against a different layout's plans."""
-    from ckptdoctor import simulate
+    from ckptdoctor.simulate import save as simulate
 
     specs = parameter_specs(SHAPE, "sft")
     original = simulate.derive_plan
@@ -88,7 +89,7 @@ def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
 
 def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_within_30_percent():
     """scaling._ours_at extrapolates ScalableSavePlanner's finish step in the items written."""
-    from ckptdoctor.simulate import measure_planning_ours
+    from ckptdoctor.simulate.save import measure_planning_ours
 
     specs, layout, ns = parameter_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
     try:
@@ -105,7 +106,7 @@ def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_with
 def test_extrapolation_follows_the_line_and_never_lowers_a_peak():
     """scaling._on_the_line: every phase and total on the line through the two largest x
     (N, or the items written at N), and the peak memory floored at the largest measured."""
-    from ckptdoctor.scaling import _on_the_line
+    from ckptdoctor.simulate.scaling import _on_the_line
 
     def at(n, seconds, peak):
         return {"phase_s": {"validate": seconds}, "bytes_to_rank0": 10 * n, "peak_mem_bytes": peak}
@@ -156,7 +157,7 @@ def test_check_bad_input_is_one_clear_line(args, message):
 
 @pytest.mark.slow
 def test_check_warns_and_names_the_fix(tmp_path):
-    from ckptdoctor.stacks import installed_versions
+    from ckptdoctor.repro.stacks import installed_versions
 
     out = tmp_path / "check.json"
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", "--ranks", "16", "--layout", "hsdp:8",
@@ -179,8 +180,8 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     group and share empty chunks): same tensors, chunks and bytes, each item written once."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
-    from ckptdoctor.planner import build_metadata
-    from ckptdoctor.simulate import _default_metadata, build_state_dict, init_fake_world, rank_plans, scalable_local_plan
+    from ckptdoctor.fix.planner import build_metadata
+    from ckptdoctor.simulate.save import _default_metadata, build_state_dict, init_fake_world, rank_plans, scalable_local_plan
 
     specs = parameter_specs(SHAPE, mode)
     try:

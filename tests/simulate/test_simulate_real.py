@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from ckptdoctor.repro import MODEL_SAVE, OPTIMIZER_SAVE, ReproOptions, run_job
+from ckptdoctor.repro.reproduce import MODEL_SAVE, OPTIMIZER_SAVE, ReproOptions, run_job
 
 pytestmark = pytest.mark.slow
 SAVES = {MODEL_SAVE: "model", OPTIMIZER_SAVE: "optimizer"}
@@ -22,7 +22,7 @@ SAVES = {MODEL_SAVE: "model", OPTIMIZER_SAVE: "optimizer"}
 def simulated(opts: ReproOptions, save: str) -> list[list]:
     job = {"kind": "plans", "shape": dataclasses.asdict(opts.shape()), "mode": opts.mode, "layout": "fsdp",
            "save": save, "ranks": opts.world_size}
-    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate", json.dumps(job)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate.save", json.dumps(job)], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["plans"]
 

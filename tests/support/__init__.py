@@ -1,0 +1,1 @@
+"""Helpers shared by the test packages (on the path through pytest's `pythonpath = tests`)."""
