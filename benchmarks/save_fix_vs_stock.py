@@ -12,7 +12,7 @@ import argparse
 import statistics
 from pathlib import Path
 
-from ckptdoctor.repro import ReproOptions, run_job
+from ckptdoctor.repro.reproduce import ReproOptions, run_job
 
 
 def save_span(outcome) -> float:

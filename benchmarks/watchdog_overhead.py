@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptdoctor.watchdog import SaveWatchdog
+from ckptdoctor.fix.watchdog import SaveWatchdog
 
 
 def one_save(state, root: Path, i: int, watched: bool) -> float:
