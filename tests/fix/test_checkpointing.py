@@ -1,46 +1,190 @@
-"""ScalableCheckpointing's pieces that need no process group: publication and LoRA weights."""
+"""ScalableCheckpointing: publication, what counts as a checkpoint, heartbeats, LoRA weights
+(in one process), and real multi-process saves that lose a rank."""
+
+import json
+import os
 
 import pytest
 import torch
 
 from ckptdoctor.errors import CkptDoctorError
-from ckptdoctor.fix.checkpointing import COMPLETE_MARKER, ScalableCheckpointing, local_adapter_state
+from ckptdoctor.fix import checkpointing
+from ckptdoctor.fix.checkpointing import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Heartbeat, _Staging,
+                                          adapter_state_dict, find_latest, is_complete, legacy_complete, publish)
 
 from support.paths import JOBS
 
 
-def test_latest_skips_incomplete_and_unmarked_saves(tmp_path):
-    for step, marked in ((100, True), (200, True), (300, False)):
-        d = tmp_path / f"step-{step}" / "accelerator"
-        d.mkdir(parents=True)
-        if marked:
-            (d / COMPLETE_MARKER).write_text("ok\n")
-    staging = tmp_path / "step-400" / "accelerator.incomplete"
-    staging.mkdir(parents=True)
-    (staging / COMPLETE_MARKER).write_text("ok\n")  # even a marker inside a staging dir does not count
-    assert ScalableCheckpointing.latest(tmp_path) == tmp_path / "step-200" / "accelerator"
-    assert ScalableCheckpointing.latest(tmp_path / "missing") is None
+def dcp_dir(path, metadata=True):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    if metadata:
+        (path / ".metadata").write_bytes(b"m")
+    return path
 
 
-def test_local_adapter_state_takes_plain_lora_tensors_and_refuses_sharded_ones():
-    model = torch.nn.Module()
-    model.lora_A = torch.nn.Parameter(torch.arange(4.0))
-    model.base = torch.nn.Parameter(torch.ones(2))
-    state = local_adapter_state(model)
-    assert list(state) == ["lora_A"] and torch.equal(state["lora_A"], torch.arange(4.0))
-    assert state["lora_A"].data_ptr() != model.lora_A.data_ptr()  # a copy, safe from the next step
-    model.lora_A.placements = ("Shard(0)",)  # what a DTensor parameter carries
-    with pytest.raises(CkptDoctorError, match="sharded by FSDP"):
-        local_adapter_state(model)
-    with pytest.raises(CkptDoctorError, match="no parameter name contains"):
-        local_adapter_state(torch.nn.Linear(2, 2))
+def staged(root, name="step-1", token="ab12", checkpoints=("accelerator/optimizer_0",)):
+    """A staging directory holding DCP checkpoints, and its open publication."""
+    opened = _Staging(root / name, token)
+    for c in checkpoints:
+        dcp_dir(opened.staging() / c)
+        opened.checkpoints.append(c)
+    return opened.staging(), opened
+
+
+def test_publish_renames_then_marks_and_the_result_counts(tmp_path):
+    staging, opened = staged(tmp_path)
+    assert publish(staging, opened) == "published"
+    final = tmp_path / "step-1"
+    assert not staging.exists() and is_complete(final)
+    assert json.loads((final / COMPLETE_MARKER).read_text())["dcp_checkpoints"] == ["accelerator/optimizer_0"]
+
+
+def test_the_marker_is_written_after_the_rename_never_inside_a_staging_directory(tmp_path, monkeypatch):
+    """On an object-store mount a directory rename copies object by object: a marker copied
+    with a partial directory would publish it. So at rename time no marker may exist."""
+    staging, opened = staged(tmp_path)
+    seen = []
+    real_replace = os.replace
+    monkeypatch.setattr(checkpointing.os, "replace",
+                        lambda a, b: (seen.append((a, (a / COMPLETE_MARKER).exists())), real_replace(a, b))[1])
+    publish(staging, opened)
+    assert seen == [(staging, False)]
+
+
+def test_a_crash_between_moving_the_old_step_aside_and_the_new_marker_loses_no_step(tmp_path, monkeypatch):
+    old, old_opened = staged(tmp_path, token="0001")
+    publish(old, old_opened)  # step-1, complete
+    new, new_opened = staged(tmp_path, token="0002")
+    real_replace = os.replace
+    calls = []
+
+    def crash_on_second(a, b):
+        calls.append(a)
+        if len(calls) == 2:
+            raise OSError("the node died here")
+        return real_replace(a, b)
+    monkeypatch.setattr(checkpointing.os, "replace", crash_on_second)
+    with pytest.raises(OSError):
+        publish(new, new_opened)
+    assert not (tmp_path / "step-1").exists()  # moved aside ...
+    assert find_latest(tmp_path) == tmp_path / f"step-1{REPLACED}0002"  # ... and still found, complete
+
+
+def test_publish_refuses_a_missing_metadata_and_a_dcp_save_that_bypassed_the_fix(tmp_path):
+    staging, opened = staged(tmp_path)
+    (staging / "accelerator/optimizer_0/.metadata").unlink()
+    assert "have no .metadata" in publish(staging, opened)
+    staging, opened = staged(tmp_path, name="step-2")
+    dcp_dir(staging / "accelerator" / "pytorch_model_fsdp_0")  # saved, but not through the wrapper
+    assert "saved without ckptdoctor's planner" in publish(staging, opened)
+    assert not (tmp_path / "step-1").exists() and not (tmp_path / "step-2").exists()  # nothing renamed
+
+
+def test_what_counts_marker_and_every_listed_metadata_or_a_whole_stock_save(tmp_path):
+    staging, opened = staged(tmp_path, checkpoints=("accelerator/pytorch_model_fsdp_0", "accelerator/optimizer_0"))
+    publish(staging, opened)
+    step = tmp_path / "step-1"
+    assert is_complete(step)
+    (step / "accelerator/optimizer_0/.metadata").unlink()
+    assert not is_complete(step)  # a marker alone does not count
+    stock = tmp_path / "step-5" / "accelerator"
+    dcp_dir(stock / "pytorch_model_fsdp_0")
+    dcp_dir(stock / "optimizer_0")
+    assert not legacy_complete(stock)  # no random states yet: save_state had not finished
+    (stock / "random_states_0.pkl").write_bytes(b"r")
+    assert legacy_complete(stock) and legacy_complete(stock.parent)
+    (stock / "optimizer_0/.metadata").unlink()
+    assert not legacy_complete(stock)
+
+
+def test_find_latest_skips_staging_and_incomplete_steps(tmp_path):
+    for step in (100, 200):
+        staging, opened = staged(tmp_path, name=f"step-{step}", token=f"{step:x}")
+        publish(staging, opened)
+    staged(tmp_path, name="step-300")  # never committed
+    unmarked = tmp_path / "step-400"
+    dcp_dir(unmarked / "accelerator/optimizer_0")  # a stock save that died: no random states
+    assert find_latest(tmp_path) == tmp_path / "step-200"
+    assert find_latest(tmp_path, legacy=False) == tmp_path / "step-200"
+    assert find_latest(tmp_path / "missing") is None
+    assert all(INCOMPLETE not in p.name for p in tmp_path.iterdir() if is_complete(p))
+
+
+class CountingStore:
+    """A dict standing for the job's TCP store, counting requests."""
+
+    def __init__(self):
+        self.data, self.requests = {}, 0
+
+    def set(self, key, value):
+        self.requests += 1
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        self.requests += 1
+        return self.data[key]
+
+    def multi_get(self, keys):
+        self.requests += 1
+        return [self.data[k] for k in keys]
+
+
+@pytest.mark.parametrize("world", [8, 2816])
+def test_naming_the_ranks_that_left_costs_each_survivor_two_store_requests(world, monkeypatch):
+    """Was 3N + 1 requests per survivor (one add per rank, twice, and a check per rank): at
+    2,816 ranks, about 24 million in all when every survivor asks. Rank 5 died; odd ranks are
+    still alive, even ranks gave up on their own."""
+    store = CountingStore()
+    beats = [Heartbeat(store, "p/", r, world) for r in range(world)]
+    for b in beats:
+        b._post("alive")
+    for b in beats[2::2]:
+        b.mark_aborted()
+    alive = [b for b in beats[1::2] if b.rank != 5]
+    moving_on = lambda s: [store.data.update({b.key(b.rank): b"alive:later"}) for b in alive]  # noqa: E731 (uncounted)
+    monkeypatch.setattr(checkpointing.time, "sleep", moving_on)
+    store.requests = 0
+    assert beats[0].gone(wait_s=1) == [5]
+    assert store.requests == 2
+
+
+def test_a_rank_alive_but_unchanged_for_the_limit_is_lost_idle_and_aborted_ranks_are_not(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(checkpointing.time, "monotonic", lambda: clock[0])
+    watch = checkpointing.Staleness(lost_after_s=10)
+    stale = []
+    for second in range(12):
+        clock[0] = float(second)
+        stale = watch.update({0: f"alive:{second}", 1: "alive:7", 2: "idle:3", 3: "aborted:4"})
+    assert stale == [1]
+
+
+def test_adapter_state_dict_gathers_sharded_adapters_and_copies_plain_ones(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Module()
+        model.lora_A = torch.nn.Parameter(distribute_tensor(torch.arange(6.0).reshape(3, 2), mesh, [Shard(0)]))
+        model.lora_B = torch.nn.Parameter(torch.arange(4.0))
+        model.base = torch.nn.Parameter(torch.ones(2))
+        state = adapter_state_dict(model)
+        assert list(state) == ["lora_A", "lora_B"]
+        assert type(state["lora_A"]) is torch.Tensor and torch.equal(state["lora_A"], torch.arange(6.0).reshape(3, 2))
+        assert state["lora_B"].data_ptr() != model.lora_B.data_ptr()  # a copy, safe from the next step
+        with pytest.raises(CkptDoctorError, match="no parameter name contains"):
+            adapter_state_dict(torch.nn.Linear(2, 2))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_checkpoint_still_loads(tmp_path):
-    import json
     import time
-    from pathlib import Path
 
     from ckptdoctor.repro.config import TrainingConfig
     from ckptdoctor.repro.launcher import launch
@@ -72,8 +216,10 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     assert diagnosis["error_kind"] == "peer-closed" and set(diagnosis["ranks"]) <= {0, 1, 3}
     assert diagnosis["causes"][0]["cause"].startswith("another rank died")
     root = tmp_path / "checkpoints"
-    assert ScalableCheckpointing.latest(root) == root / "step-1" / "accelerator"
+    assert find_latest(root, "accelerator") == root / "step-1" / "accelerator"
     assert not (root / "step-2" / "accelerator").exists()
+    assert not any(p.name.startswith("accelerator") for p in (root / "step-2").iterdir()
+                   if INCOMPLETE not in p.name), "nothing of the interrupted save is published"
     resumed = launch([str(job), "resume", str(spec_path)], 4, tmp_path / "resume.log", timeout_s=600)
     assert resumed.returncodes == [0] * 4, (tmp_path / "resume.log").read_text()[-3000:]
     assert json.loads((tmp_path / "results" / "resume0.json").read_text())["loaded"].endswith("step-1/accelerator")
@@ -81,9 +227,7 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
 
 @pytest.mark.slow
 def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit_exactly(tmp_path):
-    import json
     import shutil
-    from pathlib import Path
 
     from ckptdoctor.repro.config import TrainingConfig
     from ckptdoctor.repro.launcher import launch
@@ -109,3 +253,93 @@ def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit
     assert all(len(losses) == 3 for losses in straight)
     assert resumed == [losses[1:] for losses in straight]  # steps 2 and 3, every rank, bit for bit
     assert straight[0][1] != straight[0][2]  # the losses move: equality is not trivial
+
+
+# -- ScalableCheckpointing on real gloo ranks, with a stand-in accelerator (jobs/checkpointing_job.py)
+
+def checkpoint_job(tmp_path, fault, target=-1, world=4, **launch_kwargs):
+    from ckptdoctor.repro.launcher import launch
+
+    out = tmp_path / fault
+    out.mkdir(exist_ok=True)
+    result = launch([str(JOBS / "checkpointing_job.py"), str(out), fault, str(target)], world, out / "job.log",
+                    timeout_s=300, **launch_kwargs)
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    return result, {r["rank"]: r for r in reports}, out
+
+
+@pytest.mark.slow
+def test_a_save_publishes_one_complete_step(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "none")
+    assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}
+    step = out / "ckpt" / "step-1" / "accelerator"
+    assert is_complete(step) and find_latest(out / "ckpt", "accelerator") == step
+    assert sorted(json.loads((step / COMPLETE_MARKER).read_text())["dcp_checkpoints"]) == \
+        ["optimizer_0", "pytorch_model_fsdp_0"]
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_is_published(tmp_path):
+    """SIGSTOP: the process keeps its connections open, as a node that vanished without a FIN.
+    Before: the others waited for the checkpoint group's timeout (3 h by default)."""
+    from ckptdoctor.fix.checkpointing import EXIT_LOST_RANK
+
+    result, reports, out = checkpoint_job(tmp_path, "sigstop", target=2, grace_s=60)
+    survivors = [r for r in range(4) if r != 2]
+    assert [result.returncodes[r] for r in survivors] == [EXIT_LOST_RANK] * 3, result.returncodes
+    assert result.torn_down == [2]  # only the frozen one had to be killed
+    log = (out / "job.log").read_text()
+    assert log.count("rank(s) 2 stopped answering") >= 1 and "nothing was published" in log
+    assert result.wall_s < 120
+    assert find_latest(out / "ckpt", "accelerator") is None
+    assert not (out / "ckpt" / "step-1" / "accelerator").exists()
+
+
+@pytest.mark.slow
+def test_under_an_agent_hosted_store_the_survivors_name_a_dead_rank_0(tmp_path):
+    """torchrun's agent hosts the job's store: when rank 0 dies the store stays, and the
+    survivors can still tell who left."""
+    result, reports, out = checkpoint_job(tmp_path, "exit", target=0, agent_store=True, grace_s=60)
+    assert result.returncodes[0] == 9 and result.torn_down == []
+    for rank in (1, 2, 3):
+        assert reports[rank]["error_type"] == "CheckpointAborted", reports[rank]
+        assert "rank(s) 0 left the checkpoint" in reports[rank]["error"]
+    assert find_latest(out / "ckpt", "accelerator") is None
+
+
+@pytest.mark.slow
+def test_a_dcp_save_that_bypassed_the_fix_is_not_published(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "bound", world=2)
+    assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
+    assert all("saved without ckptdoctor's planner" in r["error"] for r in reports.values())
+    assert find_latest(out / "ckpt", "accelerator", legacy=False) is None
+
+
+@pytest.mark.slow
+def test_every_rank_resumes_from_the_step_rank_0_chose_or_none_does(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "blind", target=3)
+    assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
+    assert all("rank(s) 3 do not see it complete" in r["error"] for r in reports.values())
+
+
+@pytest.mark.slow
+def test_two_saves_of_one_step_at_once_leave_one_complete_checkpoint(tmp_path):
+    """Each attempt stages under its own name: neither deletes the other's files."""
+    import threading
+
+    from ckptdoctor.repro.launcher import launch
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    results = {}
+
+    def job(name):
+        results[name] = launch([str(JOBS / "checkpointing_job.py"), str(tmp_path / name), "none"], 2,
+                               tmp_path / name / "job.log", timeout_s=300,
+                               env={"CKPTDOCTOR_TEST_CKPT_ROOT": str(tmp_path / "shared")})
+    threads = [threading.Thread(target=job, args=(n,)) for n in ("a", "b")]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results["a"].returncodes == results["b"].returncodes == [0, 0]
+    step = tmp_path / "shared" / "step-1" / "accelerator"
+    assert is_complete(step)
+    assert [p.name for p in step.parent.iterdir()] == ["accelerator"]  # no staging or replaced leftovers

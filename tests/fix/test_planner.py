@@ -4,7 +4,6 @@ import collections
 import json
 import subprocess
 import sys
-from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -13,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _validate_global_plan
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan
 
-from ckptdoctor.fix.planner import assign_owners, owned_items, validate_chunks
+from ckptdoctor.fix.planner import assign_plain_items, coverage_problems, validate_chunks
 from ckptdoctor.repro.launcher import launch
 
-from support.fake_ranks import planned_as_every_rank, random_state_dicts
+from support.fake_ranks import random_state_dicts, saved_as_every_rank
 from support.metadata import describe_metadata, listed_items, written_items
 from support.paths import JOBS
 
@@ -84,42 +83,43 @@ def test_validation_names_the_problem():
 
 @settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.text(min_size=1, max_size=5), st.integers(0, 10**6), max_size=40), st.integers(1, 50))
-def test_every_replicated_item_has_exactly_one_owner_and_loads_are_balanced(sizes, world):
-    items = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO) for fqn in sizes]
-    per_rank = [owned_items(items, lambda fqn: None, rank, world) for rank in range(world)]
-    written = collections.Counter(item.index.fqn for kept in per_rank for item in kept)
-    assert written == collections.Counter(sizes.keys())  # nobody drops an item, nobody doubles it
-    owners = assign_owners(sizes.items(), world)
+def test_every_plain_item_has_exactly_one_owner_and_loads_are_balanced(sizes, world):
+    owners = assign_plain_items(sizes, world, lowest_rank=False)
+    assert set(owners) == set(sizes) and all(0 <= r < world for r in owners.values())
     loads = collections.Counter()
     for key, owner in owners.items():
         loads[owner] += sizes[key]
     if sizes and world > 1:  # greedy largest-first: no rank above the mean by more than the largest item
         assert max(loads.values()) <= sum(sizes.values()) / min(world, len(sizes)) + max(sizes.values())
+    assert set(assign_plain_items(sizes, world, lowest_rank=True).values()) <= {0}  # stock's lowest-rank option
 
 
-# -- random state dicts: rank 0's derived metadata is stock's, and is what the ranks write ---
+# -- random state dicts: rank 0's derived metadata is stock's, and is what ranks write ---
 
 @settings(max_examples=200, deadline=None)
-@given(random_state_dicts())
-def test_derived_metadata_equals_stock_and_lists_exactly_what_ranks_write(case):
+@given(random_state_dicts(), st.booleans(), st.booleans())
+def test_both_paths_give_stocks_metadata_and_list_exactly_what_ranks_write(case, derive, lowest):
     from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 
     from ckptdoctor.fix.planner import ScalableSavePlanner
 
-    stock_plans = [plan for _, _, plan in planned_as_every_rank(case, DefaultSavePlanner)]
-    owned_plans = []
-    # closed on the way out, so a failed assert still leaves the fake world
-    with closing(planned_as_every_rank(case, ScalableSavePlanner)) as ranks:
-        for rank, ours, _ in ranks:
-            assert ours.mode == "derived"
-            owned_plans.append(ours.plan)
-            if rank == 0:
-                derived = ours.derived_metadata()
-    _, stock_md = create_default_global_save_plan(DefaultSavePlanner()._dedup_save_plans(stock_plans))
-    assert describe_metadata(derived) == describe_metadata(stock_md)
-    assert validate_chunks(derived) == []
-    assert sorted(written_items(owned_plans)) == sorted(listed_items(derived))  # nothing unwritten, nothing twice
+    _, stock_md = saved_as_every_rank(case, lambda: DefaultSavePlanner(dedup_save_to_lowest_rank=lowest))
+    planners, ours_md = saved_as_every_rank(case, lambda: ScalableSavePlanner(derive_metadata=derive,
+                                                                             dedup_save_to_lowest_rank=lowest))
+    assert {p.mode for p in planners} == {"derived" if derive else "owned"}
+    assert describe_metadata(ours_md) == describe_metadata(stock_md)
+    assert validate_chunks(ours_md) == []
+    written = written_items(p.plan for p in planners)
+    assert sorted(written) == sorted(listed_items(ours_md))  # nothing unwritten, nothing twice
+    assert coverage_problems(ours_md, written) == []
+
+
+def test_coverage_problems_name_a_gap_a_duplicate_and_an_extra():
+    md = metadata_of((4,), [((0,), (2,)), ((2,), (2,))])
+    assert coverage_problems(md, [("t", (0,)), ("t", (2,))]) == []
+    assert coverage_problems(md, [("t", (0,))]) == ["t@(2,): written 0 times"]
+    assert coverage_problems(md, [("t", (0,)), ("t", (2,)), ("t", (2,))]) == ["t@(2,): written 2 times"]
+    assert coverage_problems(md, [("t", (0,)), ("t", (2,)), ("u", ())]) == ["u@(): written but not listed"]
 
 
 # -- real gloo jobs: save, compare with stock, load at other world sizes -----------------
@@ -193,13 +193,59 @@ def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(t
 
 
 @pytest.mark.slow
-def test_ranks_that_disagree_on_replicated_keys_fall_back_to_stock_dedup(tmp_path):
-    ours = tmp_path / "ours"
-    saved = run(tmp_path, 4, "save", ours, "ours", env={"EXTRA_KEY_ON_RANK": "1"})
-    assert [r["replicas_agree"] for r in saved] == [False] * 4
-    assert [r["mode"] for r in saved] == ["stock"] * 4
-    md = described(ours)
-    assert "plain.only_here" in md  # the key only rank 1 holds is saved, not dropped
+def test_the_broadcast_back_is_slim_after_our_writer_and_stock_after_stocks(tmp_path):
+    """dcp.save returns rank 0's metadata on every rank: after ScalableFileSystemWriter it has
+    keys, sizes and dtypes only (at FSDP over N ranks the chunk lists are O(N) per tensor)."""
+    ours = run(tmp_path, 4, "save", tmp_path / "ours", "ours+writer")
+    stock_writer = run(tmp_path, 4, "save", tmp_path / "plain", "ours")
+    assert [r["returned_chunks"] for r in ours[1:]] == [0, 0, 0]
+    assert all(r["returned_chunks"] > 0 for r in stock_writer)
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_owned_one(tmp_path):
+    env = {"EXTRA_KEY_ON_RANK": "1"}
+    refused = run(tmp_path, 4, "save", tmp_path / "derived", "ours+writer", env=env)
+    assert [r["failed"] for r in refused] == [["NotDerivable"]] * 4  # every rank, and nothing written
+    assert "rank 1 holds a different state dict structure" in refused[0]["error"]
+    assert not (tmp_path / "derived" / ".metadata").exists()
+    ours = tmp_path / "owned"
+    saved = run(tmp_path, 4, "save", ours, "ours-owned+writer", env=env)
+    assert [r["mode"] for r in saved] == ["owned"] * 4
+    assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped
     assert all(len(files) == 1 for files in writers(ours).values())
     loaded = run(tmp_path, 2, "load", ours)
     assert all(r["mismatches"] == [] for r in loaded)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", ["ours+writer", "ours-owned+writer", "ours"])
+def test_a_rank_failing_in_planning_fails_every_rank_at_once_and_nothing_is_written(tmp_path, planner):
+    """No collective of the planner's own: the failing rank's exception reaches every rank
+    through DCP's own gather and scatter, as with stock (a group timeout of 120 s)."""
+    reports = run(tmp_path, 4, "save", tmp_path / "ckpt", planner, env={"FAIL_PLANNING_ON_RANK": "2"})
+    assert [r["failed"] for r in reports] == [["RuntimeError"]] * 4
+    assert all("injected planning failure on rank 2" in r["error"] for r in reports)
+    assert max(r["save_s"] for r in reports) < 30
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", ["ours+writer", "ours"])
+def test_an_ownership_slip_fails_the_save_before_the_metadata_is_written(tmp_path, planner):
+    """A chunk the metadata lists but no rank wrote: stock would find out at load (KeyError)."""
+    reports = run(tmp_path, 4, "save", tmp_path / "ckpt", planner, env={"DROP_WRITE_ON_RANK": "1"})
+    assert [r["failed"] for r in reports] == [["IncompleteWrite"]] * 4
+    assert "written 0 times" in reports[0]["error"]
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+@pytest.mark.slow
+def test_replicas_that_differ_are_refused_by_name_when_asked_and_one_copy_kept_otherwise(tmp_path):
+    env = {"DIFFER_ON_RANK": "2", "VERIFY_REPLICAS": "1"}
+    refused = run(tmp_path, 4, "save", tmp_path / "checked", "ours+writer", env=env)
+    assert [r["failed"] for r in refused] == [["ReplicasDiffer"]] * 4
+    assert "plain.lora: ranks 0,1,3 vs 2" in refused[0]["error"]
+    assert not (tmp_path / "checked" / ".metadata").exists()
+    saved = run(tmp_path, 4, "save", tmp_path / "unchecked", "ours+writer", env={"DIFFER_ON_RANK": "2"})
+    assert all("failed" not in r for r in saved)  # as stock: one rank's copy, unchecked

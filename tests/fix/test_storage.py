@@ -1,18 +1,20 @@
-"""ScalableFileSystemWriter: its columnar finish writes the storage index stock would."""
+"""ScalableFileSystemWriter: its columnar finish writes the storage index stock would, and
+refuses writes that do not match the metadata."""
 
+import array
 import pickle
-from contextlib import closing
 
+import pytest
 from hypothesis import given, settings
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ckptdoctor.fix.planner import ScalableSavePlanner
-from ckptdoctor.fix.storage import StorageColumns, WrittenItems, _with_storage_columns
+from ckptdoctor.fix.planner import IncompleteWrite, ScalableSavePlanner
+from ckptdoctor.fix.storage import StorageColumns, WrittenItems, _with_storage_columns, columns_coverage_problems
 
-from support.fake_ranks import planned_as_every_rank, random_state_dicts
+from support.fake_ranks import random_state_dicts, saved_as_every_rank
 
 
 def results_for(plan, rank: int) -> list[WriteResult]:
@@ -27,13 +29,10 @@ def results_for(plan, rank: int) -> list[WriteResult]:
 
 
 def save_as_every_rank(case):
-    """(rank 0's derived metadata, each rank's stock write results, each rank's WrittenItems)."""
-    results, written = [], []
-    for rank, planner, _ in planned_as_every_rank(case, ScalableSavePlanner):
-        results.append(results_for(planner.plan, rank))
-        written.append(WrittenItems.of(results[-1], planner))
-        if rank == 0:
-            metadata = planner.derived_metadata()
+    """(rank 0's metadata, each rank's stock write results, each rank's WrittenItems)."""
+    planners, metadata = saved_as_every_rank(case, ScalableSavePlanner)
+    results = [results_for(planner.plan, rank) for rank, planner in enumerate(planners)]
+    written = [WrittenItems.of(r, planner) for r, planner in zip(results, planners)]
     return metadata, results, written
 
 
@@ -43,6 +42,7 @@ def test_columnar_storage_index_unpickles_to_the_dict_filesystemwriter_writes(ca
     metadata, results, written = save_as_every_rank(case)
     stock = {r.index: r.storage_data for rank in results for r in rank}
     gathered = pickle.loads(pickle.dumps(written))  # as rank 0 receives them
+    assert columns_coverage_problems(metadata, gathered) == []
     blob = pickle.dumps(_with_storage_columns(metadata, StorageColumns(gathered, metadata)))
     assert b"ckptdoctor" not in blob  # stock torch reads it without us
     loaded = pickle.loads(blob)
@@ -56,13 +56,37 @@ def test_columnar_storage_index_unpickles_to_the_dict_filesystemwriter_writes(ca
     assert {r.index: r.storage_data for w in gathered for r in w.write_results(metadata)} == stock
 
 
+CASE = (4, (4,), [((6, 3), (0,)), ((2,), (0,))], [(2,)], [7])  # uneven and empty shards, a plain tensor, an object
+
+
+def test_columns_check_names_a_missing_a_doubled_and_a_foreign_chunk():
+    metadata, _, written = save_as_every_rank(CASE)
+    assert columns_coverage_problems(metadata, written) == []
+    dropped = [w for w in written]
+    dropped[1] = WrittenItems(written[1].paths, *(array.array("q", col[1:]) for col in
+                                                 (written[1].key, written[1].chunk, written[1].path,
+                                                  written[1].offset, written[1].length)))
+    assert any("written 0 times" in p for p in columns_coverage_problems(metadata, dropped))
+    assert any("written 2 times" in p for p in columns_coverage_problems(metadata, written + [written[2]]))
+    foreign = WrittenItems(["x"], array.array("q", [0]), array.array("q", [99]), array.array("q", [0]),
+                           array.array("q", [0]), array.array("q", [1]))
+    assert any("not in its list" in p for p in columns_coverage_problems(metadata, written + [foreign]))
+
+
+def test_stock_writers_are_checked_through_the_metadata_the_planner_returns():
+    """FileSystemWriter.finish sets metadata.storage_data, then pickles it: a gap fails there."""
+    metadata, results, _ = save_as_every_rank(CASE)
+    complete = {r.index: r.storage_data for rank in results for r in rank}
+    metadata.storage_data = complete  # accepted
+    with pytest.raises(IncompleteWrite, match="written 0 times"):
+        metadata.storage_data = dict(list(complete.items())[1:])
+    assert type(pickle.loads(pickle.dumps(metadata))) is Metadata  # the file needs no ckptdoctor
+
+
 def test_other_planners_and_storage_infos_keep_the_stock_results():
-    planner = DefaultSavePlanner()
-    assert WrittenItems.of([], planner) is None
-    case = (2, (2,), [((4,), (0,))], [], [])
-    _, results, written = save_as_every_rank(case)
-    assert all(isinstance(w, WrittenItems) for w in written)
-    results[0][0].storage_data.transform_descriptors = ["zstd"]  # something the columns do not carry
-    with closing(planned_as_every_rank(case, ScalableSavePlanner)) as ranks:  # leaves the fake world
-        _, ours, _ = next(ranks)  # rank 0
-        assert WrittenItems.of(results[0], ours) is None
+    assert WrittenItems.of([], DefaultSavePlanner()) is None
+    planners, _ = saved_as_every_rank(CASE, ScalableSavePlanner)
+    results = results_for(planners[0].plan, 0)
+    assert isinstance(WrittenItems.of(results, planners[0]), WrittenItems)
+    results[0].storage_data.transform_descriptors = ["zstd"]  # something the columns do not carry
+    assert WrittenItems.of(results, planners[0]) is None

@@ -43,7 +43,7 @@ def resume(spec_path: str) -> int:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=120))
     trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, group)
     ckpt = ScalableCheckpointing(trainer.accelerator, timeout_s=120)
-    latest = ScalableCheckpointing.latest(spec.output_dir)
+    latest = ckpt.latest(spec.output_dir, "accelerator")
     ckpt.load_state(latest)
     Path(spec.results_dir, f"resume{dist.get_rank()}.json").write_text(json.dumps({"loaded": str(latest)}))
     dist.destroy_process_group()

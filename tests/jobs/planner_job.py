@@ -1,19 +1,27 @@
 """One rank of a planner test job (started by tests/fix/test_planner.py through ckptdoctor.repro.launcher).
 
     python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
-                                                 (PLANNER: stock, ours, ours-owned = without derived metadata,
-                                                  ours+writer = with ScalableFileSystemWriter)
+                                                 (PLANNER: stock, ours, ours-owned = without derived metadata;
+                                                  +writer: with ScalableFileSystemWriter)
     python planner_job.py load DIR               stock dcp.load into this world size, compare
     python planner_job.py load-save DIR OUT      load (compare), then save again with ours
 
 Every tensor is a deterministic function of its name, so any world size knows what each of
 its local shards must hold. Each rank writes rank<N>.json beside DIR with what it saw.
+
+Faults, injected by environment variable (the fix's defences are under test, not torch):
+    EXTRA_KEY_ON_RANK=R       rank R holds a replicated key the others do not
+    DIFFER_ON_RANK=R          rank R's copy of the replicated plain.lora differs
+    VERIFY_REPLICAS=1         save with ScalableSavePlanner(verify_replicas=True)
+    FAIL_PLANNING_ON_RANK=R   torch's local planning raises on rank R
+    DROP_WRITE_ON_RANK=R      rank R skips one chunk it owns (an ownership slip)
 """
 
 import datetime
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -46,7 +54,32 @@ def build(rank: int, world: int, zeros: bool = False) -> dict:
     }
     if os.environ.get("EXTRA_KEY_ON_RANK") == str(rank):  # ranks disagree on the replicated keys
         state["plain"]["only_here"] = torch.ones(3)
+    if os.environ.get("DIFFER_ON_RANK") == str(rank) and not zeros:
+        state["plain"]["lora"] = state["plain"]["lora"] + 1.0
     return state
+
+
+def inject_faults(rank: int) -> None:
+    if os.environ.get("FAIL_PLANNING_ON_RANK") == str(rank):
+
+        def create_local_plan(self):
+            raise RuntimeError(f"injected planning failure on rank {rank}")
+        dcp.DefaultSavePlanner.create_local_plan = create_local_plan
+    if os.environ.get("DROP_WRITE_ON_RANK") == str(rank):
+        original_finish = ScalableSavePlanner.finish_plan
+
+        def finish_plan(self, new_plan):
+            plan = original_finish(self, new_plan)
+            self.plan = plan = type(plan)(plan.items[1:], storage_data=plan.storage_data, usable=True)
+            return plan
+        ScalableSavePlanner.finish_plan = finish_plan
+
+
+def failure_names(error: BaseException) -> list[str]:
+    """The exception types inside a DCP CheckpointException, by rank (or the error's own)."""
+    failures = getattr(error, "failures", None) or {}
+    return sorted({type(f[0] if isinstance(f, tuple) else f).__name__ for f in failures.values()}) or \
+        [type(error).__name__]
 
 
 def mismatches(state: dict) -> list[str]:
@@ -77,15 +110,25 @@ def main() -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     report = {"rank": rank, "world": world}
     if op == "save":
-        planners = {"ours": ScalableSavePlanner, "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False),
-                    "ours+writer": ScalableSavePlanner, "stock": dcp.DefaultSavePlanner}
-        planner = planners[sys.argv[3]]()
-        writer = ScalableFileSystemWriter(path) if sys.argv[3].endswith("+writer") else None
-        returned = dcp.save(build(rank, world), checkpoint_id=path, planner=planner, storage_writer=writer)
-        report["returned_storage_data"] = None if returned.storage_data is None else len(returned.storage_data)
-        report["items_written"] = len(planner.plan.items)
-        report["replicas_agree"] = getattr(planner, "replicas_agree", None)
-        report["mode"] = getattr(planner, "mode", "stock planner")
+        inject_faults(rank)
+        kind, with_writer = sys.argv[3].removesuffix("+writer"), sys.argv[3].endswith("+writer")
+        verify = os.environ.get("VERIFY_REPLICAS") == "1"
+        planner = {"ours": lambda: ScalableSavePlanner(verify_replicas=verify),
+                   "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False, verify_replicas=verify),
+                   "stock": dcp.DefaultSavePlanner}[kind]()
+        writer = ScalableFileSystemWriter(path) if with_writer else None
+        start = time.time()
+        try:
+            returned = dcp.save(build(rank, world), checkpoint_id=path, planner=planner, storage_writer=writer)
+        except BaseException as error:  # noqa: BLE001 - reported, then the job goes on to exit cleanly
+            report.update(failed=failure_names(error), error=str(error)[-2000:], save_s=time.time() - start)
+        else:
+            report["save_s"] = time.time() - start
+            report["returned_storage_data"] = None if returned.storage_data is None else len(returned.storage_data)
+            report["returned_chunks"] = sum(len(getattr(md, "chunks", [])) for md in
+                                            returned.state_dict_metadata.values())
+            report["items_written"] = len(planner.plan.items)
+            report["mode"] = getattr(planner, "mode", "stock planner")
     else:
         state = build(rank, world, zeros=True)
         dcp.load(state, checkpoint_id=path)  # stock loader and planner

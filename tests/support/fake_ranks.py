@@ -60,3 +60,17 @@ def planned_as_every_rank(case, make_planner):
             yield rank, planner, planner.create_local_plan()
     finally:
         leave_fake_world()
+
+
+def saved_as_every_rank(case, make_planner):
+    """Every rank's planner taken through DCP's protocol in torch's fake process group: each
+    rank's local plan, rank 0's global plan over all of them, each rank's final plan.
+    Returns (the planners, by rank; the global metadata)."""
+    planners, local_plans = [], []
+    for _, planner, plan in planned_as_every_rank(case, make_planner):
+        planners.append(planner)
+        local_plans.append(plan)
+    global_plans, metadata = planners[0].create_global_plan(local_plans)
+    for planner, plan in zip(planners, global_plans):
+        planner.finish_plan(plan)
+    return planners, metadata

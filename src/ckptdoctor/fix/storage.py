@@ -13,9 +13,14 @@ file stays stock: the columns pickle as `dict(zip(map(MetadataIndex, ...), map(_
 `dcp.load` / `FileSystemReader.read_metadata`) rebuilds exactly the dict `FileSystemWriter`
 would have written. Any other planner or result type goes through the stock path.
 
-One difference: `dcp.save` returns rank 0's in-memory metadata (broadcast to every rank);
-with the columnar path its `storage_data` stays None instead of holding every entry, which
-spares every rank unpickling them. The file has them all.
+Before the file is written, `finish` checks that the ranks wrote exactly what the metadata
+lists, each (key, chunk) once (a linear pass over the integer columns; on the stock path over
+the write results): a gap or a duplicate fails the save, and no `.metadata` is written.
+
+One difference: `dcp.save` broadcasts rank 0's metadata to every rank as its return value.
+After this writer wrote the file, the broadcast copy carries keys, sizes and dtypes but no
+chunk lists or storage index (`planner.slim`): with FSDP over N ranks those are O(N) per
+tensor, and every rank would unpickle them. The file has them all.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ import array
 import copyreg
 import dataclasses
 
+import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+
+from .planner import IncompleteWrite, coverage_problems
 
 
 class ScalableFileSystemWriter(FileSystemWriter):
@@ -43,9 +51,47 @@ class ScalableFileSystemWriter(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results: list) -> None:
         if results and all(isinstance(r, WrittenItems) for r in results):
-            return super().finish(_with_storage_columns(metadata, StorageColumns(results, metadata)), [])
-        expanded = [r.write_results(metadata) if isinstance(r, WrittenItems) else r for r in results]
-        return super().finish(metadata, expanded)
+            _raise_on(columns_coverage_problems(metadata, results))
+            super().finish(_with_storage_columns(metadata, StorageColumns(results, metadata)), [])
+        else:
+            expanded = [r.write_results(metadata) if isinstance(r, WrittenItems) else r for r in results]
+            _raise_on(coverage_problems(metadata, ((r.index.fqn, tuple(r.index.offset or ()))
+                                                   for rank in expanded for r in rank)))
+            super().finish(metadata, expanded)
+        metadata.__dict__["_written"] = True  # the broadcast that follows sends the slim copy
+
+
+def _raise_on(problems: list[str]) -> None:
+    if problems:
+        raise IncompleteWrite(f"the ranks' writes do not match the metadata ({len(problems)} problem(s): "
+                              f"{'; '.join(problems[:5])}); no .metadata was written")
+
+
+def columns_coverage_problems(metadata: Metadata, written: list["WrittenItems"]) -> list[str]:
+    """`planner.coverage_problems` for integer columns, in one vectorised pass: every listed
+    (key, chunk) written exactly once; bytes items as chunk -1."""
+    keys = sorted(metadata.state_dict_metadata)
+    is_bytes = [isinstance(metadata.state_dict_metadata[k], BytesStorageMetadata) for k in keys]
+    counts = torch.tensor([1 if b else len(metadata.state_dict_metadata[k].chunks) for k, b in zip(keys, is_bytes)],
+                          dtype=torch.int64)
+    base = torch.cumsum(counts, 0) - counts
+    key = torch.cat([_as_tensor(w.key) for w in written]) if written else torch.zeros(0, dtype=torch.int64)
+    chunk = torch.cat([_as_tensor(w.chunk) for w in written]) if written else torch.zeros(0, dtype=torch.int64)
+    if key.numel() and (key.min() < 0 or key.max() >= len(keys)):
+        return [f"a rank wrote key number {int(key.max())} of {len(keys)}"]
+    bytes_key = torch.tensor(is_bytes, dtype=torch.bool)[key]
+    bad = torch.where(bytes_key, chunk != -1, (chunk < 0) | (chunk >= counts[key]))
+    problems = [f"{keys[k]}: chunk {c} is not in its list" for k, c in zip(key[bad][:5].tolist(), chunk[bad][:5].tolist())]
+    slot = base[key] + torch.where(bytes_key, torch.zeros_like(chunk), chunk)
+    times = torch.bincount(slot[~bad], minlength=int(counts.sum()))
+    for index in torch.nonzero(times != 1).flatten()[:5].tolist():
+        k = int(torch.searchsorted(base, index, right=True)) - 1
+        problems.append(f"{keys[k]}: chunk {index - int(base[k])} written {int(times[index])} times")
+    return problems
+
+
+def _as_tensor(column: array.array) -> torch.Tensor:
+    return torch.frombuffer(bytearray(column), dtype=torch.int64) if len(column) else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclasses.dataclass
@@ -67,7 +113,7 @@ class WrittenItems:
         or a result carries more than FileSystemWriter's (path, offset, length)."""
         if getattr(planner, "mode", None) != "derived":
             return None
-        keys = {fqn: i for i, fqn in enumerate(sorted({item.index.fqn for item in planner.all_items}))}
+        keys = {fqn: i for i, fqn in enumerate(sorted({item.index.fqn for item in planner.local_items}))}
         paths: dict[str, int] = {}
         columns = cls([], *(array.array("q") for _ in range(5)))
         for result in results:

@@ -1,6 +1,8 @@
 """Start N ranks as real processes on this machine, the way torchrun does.
 
 Each rank gets the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+With `agent_store`, the launcher hosts the job's TCP store itself, as torchrun's agent does
+(TORCHELASTIC_USE_AGENT_STORE): every rank is a client, and the store outlives rank 0.
 Output goes to one combined log with a `[rankN]:` prefix on every line. When a rank fails,
 the others get `grace_s` to fail on their own, then are torn down (SIGTERM, then SIGKILL),
 as torchrun's agent tears a job down.
@@ -47,10 +49,14 @@ def _pump(stream, rank: int, log, lock: threading.Lock, echo) -> None:
 
 
 def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float = 5.0,
-           timeout_s: float = 1800.0, env: dict | None = None, echo=None, python: str | None = None) -> JobResult:
+           timeout_s: float = 1800.0, env: dict | None = None, echo=None, python: str | None = None,
+           agent_store: bool = False) -> JobResult:
     """Run `python <args>` as `world_size` ranks (this interpreter unless `python` names
     another); returns when all have exited."""
     port = free_port()
+    store = _agent_store(port, world_size, timeout_s) if agent_store else None
+    if store is not None:
+        env = {**(env or {}), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     base_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -69,7 +75,17 @@ def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float =
         torn_down = _supervise(procs, grace_s, timeout_s, start)
         for thread in threads:
             thread.join(timeout=10)
+    del store  # the agent's store lives as long as the job
     return JobResult([p.returncode for p in procs], log_path, time.time() - start, torn_down)
+
+
+def _agent_store(port: int, world_size: int, timeout_s: float):
+    import datetime
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", port, world_size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                         wait_for_workers=False)
 
 
 def _supervise(procs: list[subprocess.Popen], grace_s: float, timeout_s: float, start: float) -> list[int]:

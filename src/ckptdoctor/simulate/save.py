@@ -226,6 +226,7 @@ class CoordinatorMeasurement:
     phase_s: dict[str, float]
     peak_mem_bytes: int
     validated_tensors: tuple[int, int]  # (validated, of) when validation ran on a sample
+    broadcast_bytes: int = 0  # the finish step's metadata broadcast, to each rank
 
     @property
     def coordinator_s(self) -> float:
@@ -269,16 +270,21 @@ def placement_for(rank: int, ranks: int, layout: Layout, planner0):
 
 def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progress=None):
     """Every rank's local plan as it reaches rank 0 (stock), or the items each rank writes
-    (ours: after ScalableSavePlanner's ownership step)."""
-    from ..fix.planner import owned_items
+    (ours: its own DTensor chunks, and the plain items rank 0 assigns it)."""
+    from ..fix.planner import assign_plain_items, item_bytes, owned_shards
 
     mesh = init_fake_world(0, ranks, layout)
     plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
+    plain_owner = None
+    if planner == "ours":
+        plain = [i for i in plan0.items if i.type.name != "SHARD"]
+        plain_owner = assign_plain_items({i.index.fqn: item_bytes(i) for i in plain}, ranks, lowest_rank=False)
     for rank in range(ranks):
         plan = plan0 if rank == 0 else derive_plan(plan0, planner0, rank, ranks, layout)
         if planner == "ours":
-            plan = dataclasses.replace(plan, items=owned_items(plan.items, placement_for(rank, ranks, layout, planner0),
-                                                               rank, ranks))
+            shards = owned_shards(plan.items, placement_for(rank, ranks, layout, planner0))
+            mine = [i for i in plan.items if i.type.name != "SHARD" and plain_owner[i.index.fqn] == rank]
+            plan = dataclasses.replace(plan, items=shards + mine)
         if progress and rank % 256 == 255:
             progress(f"plans {rank + 1}/{ranks}")
         yield plan
@@ -303,27 +309,29 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
     try:
         for _ in range(repeats):
             run = _coordinator_phases_stock(timer, blobs, validation_sample)
-            _finish_phases(timer, run.metadata, run.results)
+            file_bytes = _finish_phases(timer, run.metadata, run.results)
             timer.end_repeat()
     finally:
         gc.enable()
+    # gather_object and scatter_object_list pad every rank's payload to the largest one
+    results = ranks * max(map(len, run.results))
     return CoordinatorMeasurement(
         ranks=ranks, items_gathered=sum(len(p.items) for p in run.all_plans),
-        bytes_to_rank0=sum(map(len, blobs)) + sum(map(len, run.results)),
-        bytes_from_rank0=ranks * max(map(len, run.scatter)),  # scatter_object_list pads every plan to the largest
-        results_to_rank0=sum(map(len, run.results)),
-        phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=run.validated)
+        bytes_to_rank0=ranks * max(map(len, blobs)) + results, bytes_from_rank0=ranks * max(map(len, run.scatter)),
+        results_to_rank0=results, phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline),
+        validated_tensors=run.validated, broadcast_bytes=file_bytes)  # stock broadcasts the metadata it wrote
 
 
 def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> CoordinatorMeasurement:
     """The finish step with ScalableFileSystemWriter: each rank sends its write results as
     integer columns (`WrittenItems`), rank 0 pickles the storage index as columns."""
-    from ..fix.storage import StorageColumns, WrittenItems, _with_storage_columns
+    from ..fix.planner import checked
+    from ..fix.storage import StorageColumns, WrittenItems, _with_storage_columns, columns_coverage_problems
 
     gc.collect()
     baseline = _rss_bytes()
     planner, _ = scalable_local_plan(build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout)))
-    metadata = planner.derived_metadata()
+    metadata = checked(planner.derived_metadata())
     blobs, columns_s = [], 0.0
     for rank, plan in enumerate(rank_plans(save, specs, ranks, layout, "ours", progress)):
         start = time.process_time()
@@ -335,53 +343,68 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
         pickle.dump(_with_storage_columns(metadata, StorageColumns(written, metadata)), buffer)
         return buffer.tell()
 
+    def check(written):
+        problems = columns_coverage_problems(metadata, written)
+        if problems:
+            raise AssertionError(f"the simulated writes do not cover the metadata: {problems[:3]}")
+
     timer = _Timer()
     gc.disable()
     try:
         for _ in range(repeats):
             written = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in blobs])
+            timer("finish: coverage check", check, written)
             timer("finish: metadata", write_metadata, written)
             timer.end_repeat()
     finally:
         gc.enable()
     timer.phase_s["finish: columns (every rank)"] = columns_s
-    return CoordinatorMeasurement(ranks=ranks, items_gathered=0, bytes_to_rank0=sum(map(len, blobs)),
-                                  bytes_from_rank0=0, results_to_rank0=sum(map(len, blobs)), phase_s=timer.phase_s,
-                                  peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=(0, 0))
+    metadata.__dict__["_written"] = True  # as ScalableFileSystemWriter.finish leaves it
+    padded = ranks * max(map(len, blobs))  # gather_object pads every payload to the largest
+    return CoordinatorMeasurement(ranks=ranks, items_gathered=0, bytes_to_rank0=padded, bytes_from_rank0=0,
+                                  results_to_rank0=padded, phase_s=timer.phase_s,
+                                  peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=(0, 0),
+                                  broadcast_bytes=len(pickle.dumps(metadata)))
 
 
-def _finish_phases(timer, metadata, result_blobs) -> None:
+def _finish_phases(timer, metadata, result_blobs) -> int:
     """`dcp.save`'s finish step on rank 0: unpickle every rank's write results, then what
     `FileSystemWriter.finish` does (storage data, the pickled metadata file)."""
     results = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in result_blobs])
-    timer("finish: metadata", _finish_metadata, metadata, results)
+    return timer("finish: metadata", _finish_metadata, metadata, results)
 
 
 def scalable_local_plan(state_dict: dict):
     """(planner, the plan it sends rank 0): `ScalableSavePlanner`'s local step as rank 0 of
-    the fake world, which must take the derived-metadata path."""
+    the fake world, whose handshake must say its chunks are derivable."""
     from ..fix.planner import ScalableSavePlanner
 
     planner = ScalableSavePlanner()
     planner.set_up_planner(state_dict, None, True)
     plan = planner.create_local_plan()
-    if planner.mode != "derived":
-        raise AssertionError(f"ScalableSavePlanner took the {planner.mode!r} path on the simulated state dict")
+    if plan.planner_data.not_derivable is not None:
+        raise AssertionError(f"ScalableSavePlanner cannot derive the simulated save: {plan.planner_data.not_derivable}")
     return planner, plan
+
+
+def every_rank_handshake(plan0, ranks: int) -> list:
+    """What every rank sends rank 0: rank 0's handshake with each rank's global rank (the
+    digest is of the structure, the same on every rank: verify_derivation checks the plans)."""
+    return [plan0] + [dataclasses.replace(plan0, planner_data=dataclasses.replace(plan0.planner_data, global_rank=r))
+                      for r in range(1, ranks)]
 
 
 def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats: int = 2) -> dict:
     """Rank 0's planning with `ScalableSavePlanner` at `ranks` ranks, measured in full at any N.
 
     Its metadata comes from rank 0's own state dict (planner.py, "derived metadata"), so
-    no other rank's items are needed: every other rank sends the same empty plan, which is
-    what rank 0 unpickles here. The planner's own local step runs under the fake process
-    group (its all-reduce included); the coordinator's phases are the functions its
-    `create_global_plan` calls, timed one by one."""
+    no other rank's items are needed: every other rank sends the same handshake with its own
+    rank, which is what rank 0 unpickles here. The planner's own local step and global step
+    run as in dcp.save (`create_local_plan`, `create_global_plan`), then the storage writer's
+    global step and the pickling of the scattered plans."""
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.planner import SavePlan
 
-    from ..fix.planner import clear_chunk_caches, validate_chunks
+    from ..fix.planner import clear_chunk_caches
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()
@@ -390,7 +413,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     start = time.process_time()
     planner, plan0 = scalable_local_plan(state_dict)
     local_s = time.process_time() - start
-    blobs = [pickle.dumps(plan0)] + [pickle.dumps(dataclasses.replace(plan0, planner_data={}))] * (ranks - 1)
+    blobs = [pickle.dumps(p) for p in every_rank_handshake(plan0, ranks)]
     timer = _Timer()
     gc.disable()
     try:
@@ -399,21 +422,18 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
                 planner, _ = scalable_local_plan(state_dict)
             all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
             clear_chunk_caches()  # as a first save's rank 0 builds them (partly in its local step: conservative)
-            metadata = timer("build metadata", planner.derived_metadata)
-            metadata = timer("merge mappings", _merge_mappings, all_plans, metadata)
-            problems = timer("validate", validate_chunks, metadata)
-            if problems:
-                raise AssertionError(f"ScalableSavePlanner rejected the simulated plan: {problems[:3]}")
-            deltas = [SavePlan([], usable=False) for _ in all_plans]
-            deltas = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan, deltas)
-            scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in deltas])
+            global_plan, metadata = timer("global plan", planner.create_global_plan, all_plans)
+            global_plan = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan,
+                                global_plan)
+            scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
             timer.end_repeat()
     finally:
         gc.enable()
     timer.phase_s["local plan (every rank)"] = local_s
     chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
     return {"ranks": ranks, "items_gathered": sum(len(p.items) for p in all_plans), "chunks": chunks,
-            "distinct_chunk_lists": planner.meshes.chunk_list_count, "bytes_to_rank0": sum(map(len, blobs)),
+            "distinct_chunk_lists": planner.meshes.chunk_list_count,
+            "bytes_to_rank0": ranks * max(map(len, blobs)),  # gather_object pads every payload to the largest
             "bytes_from_rank0": ranks * max(map(len, scatter)), "phase_s": timer.phase_s,
             "peak_mem_bytes": max(0, _peak_rss_bytes() - baseline)}
 

@@ -1,0 +1,108 @@
+"""One rank of a ScalableCheckpointing fault test (started by tests/fix/test_checkpointing.py).
+
+    python checkpointing_job.py OUT FAULT [RANK]
+
+A stand-in accelerator saves the way Accelerate 1.13's save_state does (a DCP save per model
+and optimizer with FileSystemWriter(dir) and DefaultSavePlanner(), then per-rank random
+states), so ScalableCheckpointing is exercised on real gloo ranks without an FSDP model.
+FAULT (what the test injects; ScalableCheckpointing's defences are under test):
+    none         one save, published
+    sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished
+    exit         rank RANK exits (os._exit) in its local plan
+    bound        the accelerator's dcp.save was bound before ckptdoctor could wrap it
+    blind        rank RANK does not see the newest checkpoint (a stale NFS view), at resume
+(a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared)
+Each rank writes OUT/rank<N>.json: what happened, when.
+"""
+
+import datetime
+import json
+import os
+import pickle
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from ckptdoctor.fix import checkpointing
+from ckptdoctor.fix.checkpointing import ScalableCheckpointing
+
+BOUND_SAVE = dcp.save  # what a module that did `from torch.distributed.checkpoint import save` holds
+
+
+class StandInAccelerator:
+    """save_state/load_state with Accelerate 1.13's DCP calls (fsdp_utils.py), on a tiny state."""
+
+    def __init__(self, bound: bool = False):
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        self.model = {"w": distribute_tensor(torch.arange(40.0).reshape(8, 5), mesh, [Shard(0)]), "b": torch.ones(3)}
+        self.optim = {"state": {"w": {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 1e-4}]}
+        self.save = BOUND_SAVE if bound else None
+
+    def save_state(self, output_dir: str) -> None:
+        save = self.save or dcp.save  # looked up at call time, as Accelerate does
+        for name, state in (("pytorch_model_fsdp_0", {"model": self.model}), ("optimizer_0", {"optimizer": self.optim})):
+            ckpt = Path(output_dir) / name
+            ckpt.mkdir(parents=True, exist_ok=True)
+            save(state_dict=state, storage_writer=FileSystemWriter(ckpt), planner=DefaultSavePlanner())
+        with open(Path(output_dir) / f"random_states_{dist.get_rank()}.pkl", "wb") as f:
+            pickle.dump({"seed": 1}, f)
+
+    def load_state(self, input_dir: str) -> None:
+        dcp.load({"model": self.model}, checkpoint_id=Path(input_dir) / "pytorch_model_fsdp_0")
+
+
+def stop_in_planning(rank: int, how: str) -> None:
+    original = DefaultSavePlanner.create_local_plan
+
+    def create_local_plan(self):
+        if dist.get_rank() == rank:
+            Path(OUT, "fault_at").write_text(repr(time.time()))
+            if how == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os._exit(9)
+        return original(self)
+    DefaultSavePlanner.create_local_plan = create_local_plan
+
+
+def main() -> int:
+    global OUT
+    OUT, fault = Path(sys.argv[1]), sys.argv[2]
+    root = Path(os.environ.get("CKPTDOCTOR_TEST_CKPT_ROOT", OUT / "ckpt"))
+    target = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    rank = dist.get_rank()
+    report = {"rank": rank, "fault": fault}
+    accelerator = StandInAccelerator(bound=fault == "bound")
+    ckpt = ScalableCheckpointing(accelerator, timeout_s=300, lost_rank_s=6.0)
+    try:
+        if fault in ("sigstop", "exit"):
+            stop_in_planning(target, fault)
+        if fault == "blind":
+            ckpt.save_state(root / "step-1" / "accelerator")
+            ckpt.save_state(root / "step-2" / "accelerator")
+            if rank == target:  # this host's view lags: the newest step is not complete to it
+                real = checkpointing.is_complete
+                checkpointing.is_complete = lambda p: False if "step-2" in str(p) else real(p)
+            report["resumed_from"] = str(ckpt.latest(root, "accelerator"))
+        else:
+            report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
+        report["status"] = "ok"
+    except BaseException as error:  # noqa: BLE001 - reported for the test
+        report.update(status="failed", error_type=type(error).__name__, error=str(error)[-1500:])
+    report["end_s"] = time.time()
+    Path(OUT, f"rank{rank}.{os.getpid()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
