@@ -31,7 +31,7 @@ def _write_json(path: str | None, data) -> None:
 
 def cmd_repro(args) -> int:
     from .repro.config import TrainingConfig
-    from .repro.reproduce import ReproOptions, format_report, reproduce
+    from .repro.reproduce import NotSeparable, ReproOptions, format_report, reproduce
     from .repro.stacks import current_stack
 
     current_stack()  # a clear error on anything but the pinned stacks
@@ -39,19 +39,31 @@ def cmd_repro(args) -> int:
     if args.ranks < 2:
         raise CkptDoctorError(f"a reproduction needs at least 2 ranks (a coordinator and a peer that waits for it), "
                               f"got {args.ranks}")
-    if args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         raise CkptDoctorError(f"--layers must be at least 1, got {args.layers}")
-    opts = ReproOptions(world_size=args.ranks, mode=args.mode, video_layers=args.layers,
-                        output_dir=_writable_dir(args.out), deadline_s=args.deadline,
-                        offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix)
+    if args.attempts < 1:
+        raise CkptDoctorError(f"--attempts must be at least 1, got {args.attempts}")
+    if args.trainer == "mova" and (args.cp > 1 or args.no_offload or args.ranks != 8):
+        raise CkptDoctorError("--trainer mova runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, offload): "
+                              "--ranks, --cp and --no-offload are the look-alike trainer's")
+    opts = ReproOptions(world_size=args.ranks, mode=args.mode, trainer=args.trainer, video_layers=args.layers,
+                        output_dir=_writable_dir(args.out), deadline_s=args.deadline, attempts=args.attempts,
+                        offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract)
     if args.cp > 1 and args.deadline is None:
         raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
-    report = reproduce(opts, progress=lambda line: print(line, flush=True))
+    try:
+        report = reproduce(opts, progress=lambda line: print(line, flush=True))
+    except NotSeparable as error:
+        print(f"NOT SEPARABLE: {error}")
+        _write_json(args.json, {"reproduced": False, "not_separable": str(error)})
+        return 4
     print(format_report(report))
     _write_json(args.json, report)
     if args.fix:
-        return 0 if report["save_ok"] and report["roundtrip_bitexact"] else 1
-    return 0 if report["reproduced"] else 1
+        return 0 if report["save_ok"] and report["roundtrip_bitexact"] is not False else 1
+    if report["reproduced"]:
+        return 0
+    return 4 if report.get("not_separable") else 1
 
 
 def _int_list(text: str) -> list[int]:
@@ -122,18 +134,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     repro = sub.add_parser(
         "repro", help="reproduce the save_state gloo timeout with N real ranks on this machine",
-        description="Runs a MOVA-shaped model through Accelerate's FSDP2 save_state with N gloo ranks. "
-                    "A calibration run measures rank 0's planning; the reproduction then sets the gloo "
-                    "deadline between the model and optimizer plan waits, so the optimizer save times out "
-                    "in the plan scatter as in the report. Exit 0 when reproduced as stated.")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Runs a training job through Accelerate's FSDP2 save_state with N gloo ranks: MOVA's own trainer "
+                    "(--trainer mova, from the MOVA extract) or ckptdoctor's look-alike. A calibration run (two saves, "
+                    "long deadline) measures every wait of the default group; the reproduction then sets the gloo "
+                    "deadline between the waits that must pass and the peers' wait for rank 0 in the plan scatter, so "
+                    "the save times out there, as in the report. An attempt that fails elsewhere moves the bounds "
+                    "and tries again.",
+        epilog="exit status: 0 reproduced as stated (or, with --fix, saved and verified); 1 not reproduced after "
+               "--attempts; 2 bad input; 4 the job's waits cannot be separated (the message says what to change)")
+    repro.add_argument("--trainer", choices=("lookalike", "mova"), default="lookalike",
+                       help="MOVA's own trainer code (needs the extract) or the look-alike (default lookalike)")
     repro.add_argument("--ranks", type=int, default=8, help="number of ranks (default 8)")
     repro.add_argument("--mode", choices=("sft", "lora"), default="sft", help="full fine-tuning or LoRA (default sft)")
-    repro.add_argument("--layers", type=int, default=12, help="DiT blocks per video tower (default 12; real: 40)")
+    repro.add_argument("--layers", type=int, default=None,
+                       help="DiT blocks per video tower (default 24; MOVA's real towers: 40)")
     repro.add_argument("--deadline", type=float, default=None,
                        help="gloo deadline in seconds (default: chosen from a calibration run)")
+    repro.add_argument("--attempts", type=int, default=3, help="reproduction attempts before giving up (default 3)")
     repro.add_argument("--fix", action="store_true",
-                       help="save with ScalableCheckpointing at the deadline that makes stock time out, then "
-                            "load_state and compare every rank's state bit for bit")
+                       help="save with ScalableCheckpointing at the deadline that makes stock time out (the MOVA "
+                            "trainer: with patches/mova-feat-npu.patch applied)")
+    repro.add_argument("--extract", metavar="DIR", help="the MOVA extract (default $CKPTDOCTOR_MOVA_EXTRACT or "
+                                                         "../shared/mova-feat-npu)")
     repro.add_argument("--no-offload", action="store_true", help="fsdp_offload_params false (the user runs with true)")
     repro.add_argument("--cp", type=int, default=1,
                        help="context-parallel size folded into the FSDP mesh (the user's file: 4); needs --deadline")

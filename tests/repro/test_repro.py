@@ -54,12 +54,11 @@ def test_sft_rank0_was_planning_while_the_peers_timed_out(sft):
     where = sft["where_at_timeout"]
     assert where[0]["phase"] in ("gather: receive + unpickle plans", "global plan (rank 0)", "scatter")
     assert all(where[r]["phase"] == "waiting for plan (gather + scatter)" for r in range(1, 8))
-    assert sft["plan_scatter_wait_s"]["optimizer"] > sft["deadline_ms"] / 1000 > sft["plan_scatter_wait_s"]["model"]
+    m = sft["margins"]  # the deadline sits between what had to pass and the peers' wait for rank 0
+    assert m["target_wait_s"] > m["deadline_s"] > m["must_pass_s"] and m["ratio"] >= 1.5
 
 
 def test_lora_the_model_plan_is_the_long_one_so_the_model_save_trips_first(lora):
-    plan = lora["plan_scatter_wait_s"]
-    assert plan["optimizer"] < 1.5 * plan["model"]
     assert lora["reproduced"] is True
     assert (lora["failed_call"], lora["failed_phase"], lora["waiting_call"]) == ("save_fsdp_model", "plan-scatter", "broadcast")
     assert lora["model_save_ok"] is False and lora["optimizer_save_ok"] is False

@@ -12,7 +12,12 @@ device stays CPU because `cpu=True` set it. Every save and load function stays
 Accelerate's and torch's own, unmodified. (Setting the type on `accelerator.state` after
 construction does not stick: prepare falls back and `save_state` skips the FSDP branch.)
 
-The second helper puts FSDP's collectives on their own group. In the reporter's job the
+`unpinned_cpu_offload()`: Accelerate turns a trainer's `cpu_offload=True` (MOVA's) into
+`CPUOffloadPolicy()`, whose default `pin_memory=True` needs an accelerator ("CPU device type
+not an accelerator"). Until undone, the policy class Accelerate imports at that moment
+defaults to `pin_memory=False`; every other field is torch's.
+
+The third helper puts FSDP's collectives on their own group. In the reporter's job the
 default group is "cpu:gloo,npu:hccl": FSDP's all-gathers and reduce-scatters run on HCCL,
 while DCP's object collectives run on gloo. On CPU both would share one gloo group, so the
 gloo deadline under study would also govern training; a separate group keeps them apart
@@ -51,6 +56,24 @@ def enable_fsdp_on_cpu() -> None:
     if state.distributed_type not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
         raise RuntimeError(f"enable_fsdp_on_cpu: unexpected distributed type {state.distributed_type}")
     state.distributed_type = DistributedType.MULTI_GPU
+
+
+def unpinned_cpu_offload() -> None:
+    """Make `torch.distributed.fsdp.CPUOffloadPolicy()` default to unpinned memory (see above)."""
+    import dataclasses
+
+    import torch.distributed.fsdp as fsdp
+
+    _check_accelerate_version()
+    if getattr(fsdp.CPUOffloadPolicy, "_ckptdoctor_unpinned", False):
+        return
+
+    @dataclasses.dataclass
+    class CPUOffloadPolicy(fsdp.CPUOffloadPolicy):
+        pin_memory: bool = False
+        _ckptdoctor_unpinned = True
+
+    fsdp.CPUOffloadPolicy = CPUOffloadPolicy
 
 
 def use_training_group(accelerator, group) -> None:

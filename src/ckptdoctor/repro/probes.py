@@ -36,6 +36,12 @@ LOGGED_FUNCTIONS = ("save", "_save_state_dict", "local_step", "global_step", "wr
 CHECKED_TORCH = ("2.8.0", "2.14.1")
 
 
+def save_key(name: str, round_: int) -> str:
+    """A save's key in the events: its directory name, "@<round>" from the second save of that
+    name on (a job that saves step-4 and then final saves optimizer_0 twice)."""
+    return name if round_ == 0 else f"{name}@{round_}"
+
+
 class SaveProbe(logging.Handler):
     """Records this rank's DCP step events and object-collective calls."""
 
@@ -46,16 +52,20 @@ class SaveProbe(logging.Handler):
         self.calls: list[CollectiveCall] = []
         self.plans: list[dict] = []  # {"save": ..., "items": plan_signature(...)} per local plan
         self._originals: dict[tuple[object, str], object] = {}
+        self._rounds: dict[str, int] = {}  # how many saves of each checkpoint name this rank began
 
     # -- DCP logger events --------------------------------------------------------------
     def emit(self, record: logging.LogRecord) -> None:
         msg = record.msg
         if not isinstance(msg, dict) or msg.get("func_name") not in LOGGED_FUNCTIONS:
             return
-        checkpoint_id = msg.get("checkpoint_id") or ""
+        name = os.path.basename(os.path.normpath(msg.get("checkpoint_id") or ""))
+        event = msg.get("event", "?")
+        if msg["func_name"] == "save" and event == "start":
+            self._rounds[name] = self._rounds.get(name, -1) + 1
         self.events.append(StepEvent(
-            rank=self.rank, save=os.path.basename(os.path.normpath(checkpoint_id)),
-            step=msg["func_name"], event=msg.get("event", "?"),
+            rank=self.rank, save=save_key(name, self._rounds.get(name, 0)),
+            step=msg["func_name"], event=event,
             time_s=msg.get("time", time.time_ns()) / 1e9, error=msg.get("error")))
 
     # -- timed collectives --------------------------------------------------------------

@@ -1,14 +1,22 @@
 """The 8-rank reproduction of the save_state gloo timeout.
 
 Scale the deadline, not the mechanism. The reporter's peers waited 1,800 s in the plan
-scatter for rank 0; 8 ranks cannot make rank 0 plan for 30 minutes. So one `reproduce()`
-runs the real training job twice:
+scatter for rank 0; 8 ranks cannot make rank 0 plan for 30 minutes. So `reproduce()` runs the
+real training job (MOVA's own trainer, or the look-alike one) several times:
 
-1. calibration, under a long deadline: measure, from torch's own DCP events, how long the
-   peers wait for rank 0 in each save's plan exchange, and every other wait of the save;
-2. the reproduction, with the default group's gloo deadline set between them, so that the
-   save with the shorter wait completes and the one with the longer wait times out in the
-   plan scatter, through torch's own work (no sleeps, nothing injected).
+1. calibration, under a long deadline, saving twice: measure, from torch's own DCP events and
+   timed gloo operations, how long the peers wait for rank 0 in the target save's plan
+   scatter, and every other wait of the default group before it (in both saves: the
+   calibration keeps the worst case of each);
+2. the reproduction, with the default group's gloo deadline between the two (their geometric
+   mean), so that the target save times out in the plan scatter, through torch's own work
+   (no sleeps, nothing injected), while every earlier wait passes;
+3. if an attempt failed in another wait, or did not fail, the bounds move past what it showed
+   and the next attempt runs at the new deadline (`attempts` in all); every attempt is reported.
+
+The target is what the report shows for full fine-tuning: the optimizer save (the model save
+completed before it). In LoRA mode the optimizer is tiny and the model save, first, is the long
+one. A job whose waits cannot be separated says so (NotSeparable) and what to change.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 
 from ..diagnose import callpath
@@ -33,28 +40,45 @@ from .worker import WorkerSpec
 
 MODEL_SAVE, OPTIMIZER_SAVE = "pytorch_model_fsdp_0", "optimizer_0"
 CALL_OF_SAVE = {MODEL_SAVE: "save_fsdp_model", OPTIMIZER_SAVE: "save_fsdp_optimizer"}
-MIN_SEPARATION = 1.5  # the deadline needs this factor of room on each side
+MIN_RATIO = 1.5        # the target's wait over the longest wait that must pass, at the least
+ADJUST = 1.25          # after a wrong attempt, a bound moves this far past the deadline that failed it
 REPORTED_DEADLINE_S = 1800.0
+DEFAULT_LAYERS = {"lookalike": 24, "mova": 24}  # separation measured in docs/evidence/repro_separation.txt
+
+
+class NotSeparable(CkptDoctorError):
+    """The job's own waits leave no room for a deadline between them."""
 
 
 @dataclasses.dataclass
 class ReproOptions:
     world_size: int = 8
     mode: str = "sft"
-    video_layers: int = 12
+    trainer: str = "lookalike"          # "lookalike" (repro/trainer.py) or "mova" (MOVA's own, repro/mova)
+    video_layers: int | None = None     # None: DEFAULT_LAYERS[trainer]
     output_dir: Path = Path("runs/repro")
-    deadline_s: float | None = None  # None: chosen from the calibration run
+    deadline_s: float | None = None     # None: chosen from the calibration run
     fix: bool = False
     offload_params: bool = True
     cp_size: int = 1
+    attempts: int = 3
+    extract: str | None = None          # MOVA extract (default: $CKPTDOCTOR_MOVA_EXTRACT or ../shared/mova-feat-npu)
     job_timeout_s: float = 1200.0
 
-    def training_config(self) -> TrainingConfig:
+    @property
+    def layers(self) -> int:
+        return self.video_layers or DEFAULT_LAYERS[self.trainer]
+
+    def training_config(self, max_steps: int = 1) -> TrainingConfig:
         return TrainingConfig(world_size=self.world_size, mode=self.mode, offload_params=self.offload_params,
-                              cp_size=self.cp_size)
+                              cp_size=self.cp_size, max_steps=max_steps)
 
     def shape(self) -> MovaShape:
-        return MovaShape().with_layers(self.video_layers)
+        return MovaShape().with_layers(self.layers)
+
+    @property
+    def target_save(self) -> str:
+        return MODEL_SAVE if self.mode == "lora" else OPTIMIZER_SAVE
 
 
 @dataclasses.dataclass
@@ -64,27 +88,26 @@ class JobOutcome:
     calls: list[CollectiveCall]
     returncodes: list[int]
     log_path: Path
-    checkpoint_dir: Path
+    checkpoint_dir: Path        # the first save's Accelerate directory
     wall_s: float
 
 
-@dataclasses.dataclass
-class DeadlineChoice:
-    deadline_s: float
-    target_save: str      # the save whose plan scatter should time out
-    below_s: float        # the longest wait that must pass
-    above_s: float        # the target's plan-scatter wait
+def outcome_of(ranks: list[dict], returncodes, log_path: Path, checkpoint_dir: Path, wall_s: float) -> JobOutcome:
+    events = [StepEvent(**e) for r in ranks for e in r.get("events", [])]
+    calls = [CollectiveCall(**c) for r in ranks for c in r.get("calls", [])]
+    return JobOutcome(ranks, events, calls, list(returncodes), log_path, checkpoint_dir, wall_s)
 
 
 def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, time_collectives=False,
-            fix: bool = False) -> JobOutcome:
-    """One real N-process training job whose default group has `deadline_s` (saves with the
-    fix when `fix`; calibration always measures the stock save)."""
+            fix: bool = False, saves: int = 1) -> JobOutcome:
+    """One real N-process job of the look-alike trainer whose default group has `deadline_s`
+    (saving `saves` times; with the fix when `fix`)."""
     root = Path(opts.output_dir) / name
     shutil.rmtree(root, ignore_errors=True)
     (root / "results").mkdir(parents=True)
-    spec = WorkerSpec(opts.training_config(), opts.shape(), str(root / "checkpoints"), str(root / "results"),
-                      checkpoint_deadline_s=deadline_s, fix=fix, time_collectives=time_collectives)
+    spec = WorkerSpec(opts.training_config(max_steps=saves), opts.shape(), str(root / "checkpoints"),
+                      str(root / "results"), checkpoint_deadline_s=deadline_s, fix=fix,
+                      time_collectives=time_collectives)
     spec_path = root / "spec.json"
     spec_path.write_text(spec.to_json())
     progress(f"  {name}: {opts.world_size} ranks, {opts.mode}, gloo deadline {deadline_s:.3f} s, log {root / 'job.log'}")
@@ -94,19 +117,65 @@ def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, ti
     for rank in range(opts.world_size):
         path = root / "results" / f"rank{rank}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "status": "no report"})
-    events = [StepEvent(**e) for r in ranks for e in r.get("events", [])]
-    calls = [CollectiveCall(**c) for r in ranks for c in r.get("calls", [])]
     progress(f"  {name}: done in {job.wall_s:.0f} s, exit codes {job.returncodes}")
-    steps = spec.config.max_steps
-    return JobOutcome(ranks, events, calls, job.returncodes, job.log_path,
-                      root / "checkpoints" / f"step-{steps}" / "accelerator", job.wall_s)
+    return outcome_of(ranks, job.returncodes, job.log_path, root / "checkpoints" / "step-1" / "accelerator", job.wall_s)
 
+
+class MovaTrainer:
+    """MOVA's own trainer from the extract (repro/mova): unpatched for the reproduction,
+    with patches/mova-feat-npu.patch applied for the fix."""
+
+    def __init__(self, opts: ReproOptions):
+        from .mova.job import Extract, check_dependencies
+
+        self.opts = opts
+        self.extract = Extract.find(opts.extract)
+        check_dependencies()
+        self.copies: dict[bool, Path] = {}
+
+    def run(self, name: str, deadline_s: float, progress=print, time_collectives=False, fix=False,
+            saves: int = 1) -> JobOutcome:
+        from .mova.job import MovaRun, run_mova
+
+        if fix not in self.copies:
+            self.copies[fix] = self.extract.copy_to(Path(self.opts.output_dir) / ("mova-patched" if fix else "mova"),
+                                                    patched=fix)
+        # MOVA saves at step 4 (save_interval) and again at the end ("final"): two saves
+        run = MovaRun(mode=self.opts.mode, world_size=self.opts.world_size, video_layers=self.opts.layers,
+                      max_steps=4, save_interval=4, job_timeout_s=self.opts.job_timeout_s)
+        root = Path(self.opts.output_dir) / name
+        out = run_mova(run, self.copies[fix], root, deadline_s, time_collectives=time_collectives, progress=progress)
+        first = out.save_path / "step-4"
+        staged = sorted(out.save_path.glob("step-4.incomplete-*")) if not first.exists() else []
+        checkpoint = (staged[0] if staged else first) / "accelerator"
+        codes = [0 if r.get("status") == "ok" else 1 for r in out.ranks]
+        return outcome_of(out.ranks, codes, out.log_path, checkpoint, out.wall_s)
+
+
+class LookAlikeTrainer:
+    def __init__(self, opts: ReproOptions):
+        self.opts = opts
+
+    def run(self, name, deadline_s, progress=print, time_collectives=False, fix=False, saves: int = 1) -> JobOutcome:
+        return run_job(self.opts, name, deadline_s, progress, time_collectives=time_collectives, fix=fix, saves=saves)
+
+
+def trainer_for(opts: ReproOptions):
+    if opts.trainer not in ("lookalike", "mova"):
+        raise CkptDoctorError(f"unknown trainer {opts.trainer!r}; expected 'lookalike' or 'mova'")
+    return MovaTrainer(opts) if opts.trainer == "mova" else LookAlikeTrainer(opts)
+
+
+# -- calibration: the waits, worst case over the calibration run's saves ---------------------
 
 @dataclasses.dataclass
 class Calibration:
-    waits: dict[str, SaveWaits]
-    barrier_wait_s: float  # the trainer's wait_for_everyone, also on the default group
+    waits: dict[str, list[SaveWaits]]  # per save name, one per save of it in the run
+    barrier_wait_s: float              # the trainer's wait_for_everyone, also on the default group
     outcome: JobOutcome
+
+    def first(self, save: str) -> SaveWaits:
+        return self.waits[save][0]
 
 
 def measure(outcome: JobOutcome, world_size: int) -> Calibration:
@@ -115,43 +184,78 @@ def measure(outcome: JobOutcome, world_size: int) -> Calibration:
         first = outcome.ranks[failed[0]]
         raise CkptDoctorError(f"calibration run failed on ranks {failed}: {first.get('error', first['status'])} "
                               f"(log: {outcome.log_path})")
-    waits = {save: save_waits(outcome.events, outcome.calls, save, world_size) for save in (MODEL_SAVE, OPTIMIZER_SAVE)}
-    return Calibration(waits, longest_wait(outcome.calls, "barrier"), outcome)
+    keys = sorted({e.save for e in outcome.events if e.step == "save"})
+    waits = {save: [save_waits(outcome.events, outcome.calls, key, world_size) for key in keys
+                    if key.split("@")[0] == save] for save in (MODEL_SAVE, OPTIMIZER_SAVE)}
+    # The barriers an attempt meets before its first save: later ones follow a save whose
+    # metadata broadcast the peers unpickle and rank 0 does not, which no attempt gets to.
+    first_save = min(e.time_s for e in outcome.events if e.step == "save")
+    barriers = [c for c in outcome.calls if c.name == "barrier" and c.start_s < first_save]
+    return Calibration(waits, longest_wait(barriers, "barrier"), outcome)
 
 
-def choose_deadline(cal: Calibration) -> DeadlineChoice:
-    """Put the deadline between the longest wait that must pass and the target's shortest
-    plan-scatter wait (geometric mean), with MIN_SEPARATION of room on each side.
+@dataclasses.dataclass
+class DeadlineChoice:
+    deadline_s: float
+    target_save: str      # the save whose plan scatter should time out
+    below_s: float        # the longest wait that must pass
+    above_s: float        # the target's shortest plan-scatter wait
 
-    The target is the optimizer's plan scatter (the report) when its wait stands out, as in
-    full fine-tuning; otherwise (LoRA) the model save's, which comes first.
-    """
+    @property
+    def ratio(self) -> float:
+        return self.above_s / self.below_s if self.below_s > 0 else math.inf
+
+    def margins(self) -> dict:
+        return {"must_pass_s": round(self.below_s, 3), "target_wait_s": round(self.above_s, 3),
+                "deadline_s": round(self.deadline_s, 3), "ratio": round(self.ratio, 2),
+                "room_below": round(self.deadline_s / self.below_s, 2) if self.below_s else None,
+                "room_above": round(self.above_s / self.deadline_s, 2)}
+
+
+def choose_deadline(cal: Calibration, target: str) -> DeadlineChoice:
+    """The deadline at the geometric mean of the longest wait that must pass and the target's
+    shortest plan-scatter wait, over every save of the calibration run."""
     model, optim = cal.waits[MODEL_SAVE], cal.waits[OPTIMIZER_SAVE]
-    must_pass = max(cal.barrier_wait_s, model.before_scatter_wait_s, model.plan_scatter_wait_s[1],
-                    model.after_scatter_wait_s, optim.before_scatter_wait_s)
-    if optim.plan_scatter_wait_s[0] >= MIN_SEPARATION * must_pass:
-        below, above, target = must_pass, optim.plan_scatter_wait_s[0], OPTIMIZER_SAVE
-    else:
-        below = max(cal.barrier_wait_s, model.before_scatter_wait_s)
-        above, target = model.plan_scatter_wait_s[0], MODEL_SAVE
-        if above < MIN_SEPARATION * below:
-            raise CkptDoctorError(
-                f"cannot separate the waits (peers wait {model.plan_scatter_wait_s[0]:.2f} s in the model plan "
-                f"scatter, {optim.plan_scatter_wait_s[0]:.2f} s in the optimizer's; other waits up to "
-                f"{must_pass:.2f} s); use more layers (--layers) so planning dominates")
+    earlier = [cal.barrier_wait_s] + [w.before_scatter_wait_s for w in model]
+    if target == OPTIMIZER_SAVE:  # the model save must complete first, as in the report
+        earlier += [w.plan_scatter_wait_s[1] for w in model] + [w.after_scatter_wait_s for w in model]
+        earlier += [w.before_scatter_wait_s for w in optim]
+    above = min(w.plan_scatter_wait_s[0] for w in cal.waits[target])
+    return bounded(target, max(earlier), above)
+
+
+def bounded(target: str, below: float, above: float) -> DeadlineChoice:
+    if above < MIN_RATIO * below:
+        raise NotSeparable(
+            f"cannot separate the waits: the peers wait {above:.2f} s for rank 0 in the {CALL_OF_SAVE[target]} plan "
+            f"scatter, and waits that must pass reach {below:.2f} s (ratio {above / below:.2f}, needs {MIN_RATIO}); "
+            f"more layers (--layers) make planning dominate, a quieter machine shrinks the other waits")
     return DeadlineChoice(math.sqrt(below * above), target, below, above)
 
 
+def recalibrate(choice: DeadlineChoice, report: dict) -> DeadlineChoice:
+    """After an attempt that did not reproduce, move one bound past the deadline and choose
+    again: if the target save completed, its wait can be that short; if it did not, an earlier
+    wait lasted the deadline, so waits that must pass can be that long. Raises NotSeparable
+    when no room is left."""
+    target_done = report["optimizer_save_ok"] if choice.target_save == OPTIMIZER_SAVE else report["model_save_ok"]
+    if target_done:  # the target's wait passed the deadline: it can be that short
+        below, above = choice.below_s, min(choice.above_s, choice.deadline_s / ADJUST)
+    else:            # an earlier wait lasted the deadline: waits that must pass can be that long
+        below, above = max(choice.below_s, choice.deadline_s * ADJUST), choice.above_s
+    return bounded(choice.target_save, below, above)
+
+
+# -- reading an attempt ---------------------------------------------------------------------
+
 def failing_rank_report(outcome: JobOutcome) -> dict | None:
-    """The first rank (by rank number) whose failure was a gloo timeout."""
-    for rank in outcome.ranks:
-        if rank.get("status") == "failed" and callpath.gloo_timeout_ms(rank.get("error", "")) is not None:
-            return rank
-    return None
+    """The first rank (by time) whose failure was a gloo timeout."""
+    timed_out = [r for r in outcome.ranks if r.get("status") == "failed" and callpath.gloo_timeout_ms(r.get("error", ""))]
+    return min(timed_out, key=lambda r: (r.get("error_time_s", math.inf), r["rank"]), default=None)
 
 
 def save_completed(outcome: JobOutcome, save: str) -> bool:
-    """All ranks finished writing and the metadata file exists."""
+    """All ranks finished writing the first such save, and its metadata file exists."""
     metadata = outcome.checkpoint_dir / save / ".metadata"
     writers = {e.rank for e in outcome.events if e.save == save and e.step == "write_data" and e.event == "end"}
     return metadata.exists() and len(writers) == len(outcome.ranks)
@@ -171,53 +275,33 @@ def describe_timeline(outcome: JobOutcome, save: str, world_size: int, at_s: flo
     return rows, where
 
 
-def reproduce(opts: ReproOptions, progress=print) -> dict:
-    """Run calibration (unless a deadline is given) and the reproduction; return the report."""
+def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice, costs: Calibration | None) -> dict:
     torch_v, accelerate_v = installed_versions()
-    costs = None
-    if opts.deadline_s is None:
-        progress("[1/2] calibration: the same job under a 1800 s deadline, to measure each wait of the save")
-        costs = measure(run_job(opts, "calibration", REPORTED_DEADLINE_S, progress, time_collectives=True), opts.world_size)
-        choice = choose_deadline(costs)
-        progress(f"      peers waited in the plan scatter: model save {costs.waits[MODEL_SAVE].plan_scatter_wait_s[0]:.2f} s, "
-                 f"optimizer save {costs.waits[OPTIMIZER_SAVE].plan_scatter_wait_s[0]:.2f} s; every other wait "
-                 f"<= {choice.below_s:.2f} s -> deadline {choice.deadline_s:.2f} s (target: {CALL_OF_SAVE[choice.target_save]})")
-    else:
-        choice = DeadlineChoice(opts.deadline_s, OPTIMIZER_SAVE, float("nan"), float("nan"))
-    progress("[2/2] " + ("the fixed save" if opts.fix else "reproduction") + f" under the {choice.deadline_s:.2f} s deadline")
-    outcome = run_job(opts, "fixed" if opts.fix else "reproduction", choice.deadline_s, progress, fix=opts.fix)
-    return build_report(opts, outcome, choice, costs, torch_v, accelerate_v)
-
-
-def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch_v, accelerate_v) -> dict:
     failing = failing_rank_report(outcome)
     frames = [f["function"] for f in failing["frames"]] if failing else []
     point = callpath.locate(frames)
     failed_save = next((s for s, call in CALL_OF_SAVE.items() if call == point.accelerate_call), None)
-    timeout_at = min(r["error_time_s"] for r in outcome.ranks if r.get("error_time_s") and
-                     callpath.gloo_timeout_ms(r.get("error", ""))) if failing else None
-    # The fixed job also loads (same directory names): its events are not one save's timeline.
+    timeout_at = failing.get("error_time_s") if failing else None
+    # A fixed job also loads (same directory names): its events are not one save's timeline.
     timeline, where = ([], {}) if opts.fix else describe_timeline(outcome, failed_save or choice.target_save,
                                                                    opts.world_size, timeout_at)
     timed_out = [r["rank"] for r in outcome.ranks if callpath.gloo_timeout_ms(r.get("error", "")) is not None]
     model_ok, optim_ok = save_completed(outcome, MODEL_SAVE), save_completed(outcome, OPTIMIZER_SAVE)
     expected_call = CALL_OF_SAVE[choice.target_save]
-    plan_s = {"model": costs.waits[MODEL_SAVE].coordinator_plan_s,
-              "optimizer": costs.waits[OPTIMIZER_SAVE].coordinator_plan_s} if costs else None
-    scatter_s = {"model": costs.waits[MODEL_SAVE].plan_scatter_wait_s[0],
-                 "optimizer": costs.waits[OPTIMIZER_SAVE].plan_scatter_wait_s[0]} if costs else None
     reproduced = bool(failing) and point.phase == "plan-scatter" and point.waiting_call == "broadcast" \
         and point.accelerate_call == expected_call and model_ok == (expected_call == "save_fsdp_optimizer")
-    report = {
+    return {
         "reproduced": reproduced and not opts.fix,
-        "fix": opts.fix,
+        "fix": opts.fix, "trainer": opts.trainer, "layers": opts.layers,
         "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
         "save_ok": model_ok and optim_ok and all(r.get("status") == "ok" for r in outcome.ranks),
-        "roundtrip_bitexact": all(r.get("roundtrip_differences") == [] for r in outcome.ranks) if opts.fix else None,
+        "roundtrip_bitexact": all(r.get("roundtrip_differences") == [] for r in outcome.ranks)
+        if opts.fix and opts.trainer == "lookalike" else None,
         "roundtrip_differences": {r["rank"]: r.get("roundtrip_differences") for r in outcome.ranks
                                   if r.get("roundtrip_differences")} if opts.fix else None,
         "mode": opts.mode, "world_size": opts.world_size, "torch": torch_v, "accelerate": accelerate_v,
         "failed_phase": point.phase, "failed_call": point.accelerate_call, "waiting_call": point.waiting_call,
+        "failed_rank": failing["rank"] if failing else None,
         "expected_call": expected_call, "model_save_ok": model_ok, "optimizer_save_ok": optim_ok,
         "frames": frames, "frames_match_report": callpath.matches_report(frames),
         "frame_locations": [f"{f['file']}:{f['line']} in {f['function']}" for f in failing["frames"]] if failing else [],
@@ -225,12 +309,8 @@ def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch
         "ranks_timed_out": timed_out,
         "where_at_timeout": where,
         "deadline_ms": round(choice.deadline_s * 1000),
-        "coordinator_plan_s": plan_s,
-        "plan_scatter_wait_s": scatter_s,
-        "planning_to_deadline_ratio": (scatter_s["optimizer" if expected_call == "save_fsdp_optimizer" else "model"]
-                                       / choice.deadline_s) if scatter_s else None,
-        "deadline_bounds_s": [choice.below_s, choice.above_s],
-        "calibration": ({k: dataclasses.asdict(v) for k, v in costs.waits.items()}
+        "margins": choice.margins(),
+        "calibration": ({k: [dataclasses.asdict(w) for w in v] for k, v in costs.waits.items()}
                         | {"barrier_wait_s": costs.barrier_wait_s}) if costs else None,
         "timeline": timeline,
         "calibration_timeline": describe_timeline(costs.outcome, choice.target_save, opts.world_size, None)[0]
@@ -238,24 +318,83 @@ def build_report(opts, outcome: JobOutcome, choice: DeadlineChoice, costs, torch
         "rank_status": {r["rank"]: r.get("status") for r in outcome.ranks},
         "log": str(outcome.log_path),
     }
+
+
+def attempt_summary(number: int, report: dict) -> dict:
+    return {"attempt": number, "deadline_ms": report["deadline_ms"], "reproduced": report["reproduced"],
+            "failed_call": report["failed_call"], "failed_phase": report["failed_phase"],
+            "failed_rank": report["failed_rank"], "saves_completed": report["save_ok"]}
+
+
+def reproduce(opts: ReproOptions, progress=print) -> dict:
+    """Calibrate (unless a deadline is given), then attempt the reproduction (or the fixed save)."""
+    trainer = trainer_for(opts)
+    costs = None
+    if opts.deadline_s is None:
+        progress(f"[calibration] the same job under a {REPORTED_DEADLINE_S:.0f} s deadline, saving twice, to measure "
+                 f"each wait of the save")
+        costs = measure(trainer.run("calibration", REPORTED_DEADLINE_S, progress, time_collectives=True, saves=2),
+                        opts.world_size)
+        choice = choose_deadline(costs, opts.target_save)
+        progress(f"      the peers waited {choice.above_s:.2f} s (at the least) for rank 0 in the "
+                 f"{CALL_OF_SAVE[choice.target_save]} plan scatter; every wait before it <= {choice.below_s:.2f} s "
+                 f"-> deadline {choice.deadline_s:.2f} s (ratio {choice.ratio:.2f})")
+    else:
+        choice = DeadlineChoice(opts.deadline_s, opts.target_save, float("nan"), float("nan"))
+    attempts, report = [], None
+    for number in range(1, (1 if opts.fix or opts.deadline_s is not None else opts.attempts) + 1):
+        what = "the fixed save" if opts.fix else "reproduction"
+        progress(f"[attempt {number}] {what} under the {choice.deadline_s:.2f} s deadline")
+        outcome = trainer.run("fixed" if opts.fix else f"reproduction-{number}", choice.deadline_s, progress,
+                              fix=opts.fix)
+        report = build_report(opts, outcome, choice, costs)
+        attempts.append(attempt_summary(number, report))
+        if opts.fix or report["reproduced"] or number == opts.attempts or opts.deadline_s is not None:
+            break
+        wrong = f"{report['failed_call']} -> {report['failed_phase']}" if report["gloo_error"] else "nothing timed out"
+        try:
+            choice = recalibrate(choice, report)
+        except NotSeparable as error:
+            report["not_separable"] = str(error)
+            break
+        progress(f"      not the reported wait ({wrong}); bounds now {choice.below_s:.2f} s / {choice.above_s:.2f} s")
+    report["attempts"] = attempts
     return report
 
+
+# -- the report as text -------------------------------------------------------------------------
 
 def format_report(report: dict) -> str:
     """The human-readable summary printed by `ckptdoctor repro`."""
     lines = []
+    who = f"{'MOVA' if report['trainer'] == 'mova' else 'look-alike'} trainer"
     if report["fix"]:
-        lines.append(f"{'FIXED' if report['save_ok'] and report['roundtrip_bitexact'] else 'FIX FAILED'}: "
-                     f"{report['world_size']} ranks, mode {report['mode']}, torch {report['torch']}, accelerate "
-                     f"{report['accelerate']}, ScalableCheckpointing; the default group keeps the {report['deadline_ms']} ms "
-                     f"deadline that made stock time out, saves run on a checkpoint group with "
-                     f"{report['checkpoint_group_timeout_ms']} ms (x{CHECKPOINT_TIMEOUT_FACTOR:g}, as 3 h beside 30 min)")
-        lines.append(f"  save completed on every rank: {report['save_ok']}; state after load_state bit-identical "
-                     f"to before the save on every rank: {report['roundtrip_bitexact']}")
+        ok = report["save_ok"] and report["roundtrip_bitexact"] is not False
+        lines.append(f"{'FIXED' if ok else 'FIX FAILED'}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
+                     f"torch {report['torch']}, accelerate {report['accelerate']}, ScalableCheckpointing; the default "
+                     f"group keeps the {report['deadline_ms']} ms deadline that made stock time out, saves run on a "
+                     f"checkpoint group with its own timeout")
+        lines.append(f"  saves completed on every rank: {report['save_ok']}" + (
+            f"; state after load_state bit-identical to before the save on every rank: {report['roundtrip_bitexact']}"
+            if report["roundtrip_bitexact"] is not None else ""))
     else:
-        verdict = "REPRODUCED" if report["reproduced"] else "NOT reproduced"
-        lines.append(f"{verdict}: {report['world_size']} ranks, mode {report['mode']}, torch {report['torch']}, "
-                     f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms")
+        attempts = report.get("attempts") or []
+        verdict = "REPRODUCED" if report["reproduced"] else ("NOT SEPARABLE" if report.get("not_separable")
+                                                             else "NOT reproduced")
+        lines.append(f"{verdict}: {report['world_size']} ranks, {who}, mode {report['mode']}, torch {report['torch']}, "
+                     f"accelerate {report['accelerate']}, gloo deadline {report['deadline_ms']} ms"
+                     + (f", attempt {len(attempts)} of {len(attempts)}" if len(attempts) > 1 else ""))
+        for a in attempts[:-1]:
+            lines.append(f"  attempt {a['attempt']} at {a['deadline_ms']} ms: "
+                         + (f"failed in {a['failed_call']} -> {a['failed_phase']} (rank {a['failed_rank']})"
+                            if a["failed_call"] else "nothing timed out"))
+        if report.get("not_separable"):
+            lines.append(f"  {report['not_separable']}")
+    m = report.get("margins") or {}
+    if m.get("ratio") is not None and not math.isnan(m.get("must_pass_s") or math.nan):
+        lines.append(f"  margins: waits that must pass <= {m['must_pass_s']:.2f} s, the target's wait >= "
+                     f"{m['target_wait_s']:.2f} s (ratio {m['ratio']:.2f}); deadline {m['deadline_s']:.2f} s, "
+                     f"x{m['room_below']:.2f} above the one and x{m['room_above']:.2f} below the other")
     lines.append(f"  model save completed: {report['model_save_ok']}; optimizer save completed: {report['optimizer_save_ok']}")
     if report["gloo_error"]:
         lines.append(f"  ranks {format_ranks(report['ranks_timed_out'])} failed in {report['failed_call']} "
@@ -263,18 +402,14 @@ def format_report(report: dict) -> str:
         lines.append(f"    RuntimeError: {report['gloo_error']}")
         lines.append("  frames (outermost first): " + " -> ".join(report["frames"]))
         lines.append(f"  same chain as the report (save_state ... scatter_object_list -> broadcast): {report['frames_match_report']}")
+        if report["trainer"] == "mova":
+            lines += ["  MOVA's own frames:"] + [f"    {loc}" for loc in report["frame_locations"]
+                                                 if "/mova/" in loc or "accelerate_train" in loc]
     if report["where_at_timeout"]:
         lines.append("  where every rank was when the peers timed out:")
         for rank, where in report["where_at_timeout"].items():
             state = "no DCP phase (between saves)" if where is None else f"{where['phase']} for {where['for_s']:.2f} s"
             lines.append(f"    rank {rank}: {state}")
-    if report["coordinator_plan_s"]:
-        plan, scatter = report["coordinator_plan_s"], report["plan_scatter_wait_s"]
-        lines.append(f"  measured under a long deadline: rank 0 planning (last local plan -> its write) "
-                     f"model {plan['model']:.2f} s, optimizer {plan['optimizer']:.2f} s; peers' wait in the plan "
-                     f"scatter model {scatter['model']:.2f} s, optimizer {scatter['optimizer']:.2f} s")
-        lines.append(f"  plan-scatter wait / deadline = {report['planning_to_deadline_ratio']:.2f}: the reporter's 1800 s "
-                     f"deadline plays the role of our {report['deadline_ms'] / 1000:.2f} s")
     if report["timeline"]:
         lines.append("  timeline of the failing save (seconds from its first event):")
         for row in report["timeline"]:

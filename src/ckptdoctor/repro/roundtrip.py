@@ -67,7 +67,7 @@ def differences(before: dict, after: dict) -> list[str]:
 class FixedSave:
     """The trainer's save hook with the fix; records the round trip's outcome."""
 
-    local_adapters = True  # LoRA weights from each rank's own ignored parameters, no full gather
+    local_adapters = True  # LoRA weights gathered adapter by adapter (adapter_state_dict), not the whole model
 
     def __init__(self, checkpoint_timeout_s: float):
         self.timeout_s = checkpoint_timeout_s

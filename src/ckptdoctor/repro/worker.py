@@ -57,8 +57,8 @@ def frames_of(tb) -> list[dict]:
 class RankReport:
     """Accumulates what this rank saw and writes it as JSON, even when killed."""
 
-    def __init__(self, spec: WorkerSpec, rank: int, probe):
-        self.path = Path(spec.results_dir) / f"rank{rank}.json"
+    def __init__(self, results_dir: str, rank: int, probe):
+        self.path = Path(results_dir) / f"rank{rank}.json"
         self.data = {"rank": rank, "status": "running", "started_s": time.time()}
         self.probe = probe
 
@@ -69,6 +69,15 @@ class RankReport:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.data, indent=1))
         os.replace(tmp, self.path)
+
+
+def keep_evidence_on_sigterm(report: RankReport) -> None:
+    """The launcher tears the job down with SIGTERM: write where this rank was, then exit."""
+    def on_sigterm(signum, frame):
+        report.write(status="terminated", frames=frames_of(traceback.extract_stack(frame)))
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def rendezvous(rank: int, timeout_s: float):
@@ -106,13 +115,9 @@ def run(spec: WorkerSpec) -> int:
     # dimension, which Accelerate must build itself: then training shares the default group.
     training_group = None if spec.config.cp_size > 1 else dist.new_group(
         backend="gloo", timeout=datetime.timedelta(seconds=spec.training_timeout_s))
-    report = RankReport(spec, rank, SaveProbe(rank).install(time_collectives=spec.time_collectives))
+    report = RankReport(spec.results_dir, rank, SaveProbe(rank).install(time_collectives=spec.time_collectives))
 
-    def on_sigterm(signum, frame):  # the launcher tears the job down: keep the evidence
-        report.write(status="terminated", frames=frames_of(traceback.extract_stack(frame)))
-        os._exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    keep_evidence_on_sigterm(report)
     save_hook = None
     if spec.fix:  # the default group keeps the scaled deadline; saves move to their own group
         from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR, FixedSave

@@ -1,0 +1,193 @@
+"""MOVA's real trainer, run here: a scratch copy of the extract (patched or not), a config file
+in MOVA's format, and `accelerate launch` with MOVA's own accelerate config.
+
+    extract = Extract.find()                              # ../shared/mova-feat-npu, checked
+    copy = extract.copy_to(workdir / "mova", patched=True)
+    outcome = run_mova(MovaRun(mode="sft"), copy, workdir / "run", deadline_s=1800)
+
+`accelerate launch` starts the ranks through torchrun, as the reporter's job does: torchrun's
+agent hosts the job's TCP store and tears the job down when a rank fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ...errors import CkptDoctorError
+from .rank import MovaRankSpec
+
+EXTRACT_ENV = "CKPTDOCTOR_MOVA_EXTRACT"
+COMMIT = "056ea5dad743378806294303d19798041b4322ca"  # MOVA feat/npu, the extract's ORIGIN.md
+REPO = Path(__file__).resolve().parents[4]
+PATCH = REPO / "patches" / "mova-feat-npu.patch"
+ACCELERATE_CONFIG = Path("configs") / "training" / "accelerate" / "fsdp_8.yaml"
+TRAINER = Path("mova") / "engine" / "trainer" / "accelerate" / "accelerate_trainer.py"
+# sha256 of the files the fix and the harness read, at COMMIT (so that another commit is caught)
+CHECKED_FILES = {
+    "mova/engine/trainer/accelerate/accelerate_trainer.py": "584a928be427658f9beff35ac51d60d1e5939626d9e24e5b2ad5a69b9fe0c6db",
+    "mova/engine/trainer/accelerate/lora_utils.py": "c7718bee1ca073940a0f8f7ceb2bdd82bdc24f14f4fa9da5463917d757cede0f",
+    "scripts/training_scripts/accelerate_train.py": "d622b46385d2c4e1af06e3ebd80bf8a7b11c92ee92bb9fd3965c0191ee7c4ed7",
+    "configs/training/accelerate/fsdp_8.yaml": "b937c3a53bfa009e432c15b52818dde346b9872dd5b52615b66b198877e398d6",
+}
+
+
+class ExtractProblem(CkptDoctorError):
+    """The MOVA extract is missing, at another commit, or the patch does not apply."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Extract:
+    path: Path
+
+    @classmethod
+    def find(cls, path: str | os.PathLike | None = None) -> "Extract":
+        """The extract at `path`, $CKPTDOCTOR_MOVA_EXTRACT or ../shared/mova-feat-npu, checked."""
+        where = Path(path or os.environ.get(EXTRACT_ENV) or REPO.parent / "shared" / "mova-feat-npu")
+        origin = where / "ORIGIN.md"
+        if not origin.is_file():
+            raise ExtractProblem(f"no MOVA extract at {where} (set {EXTRACT_ENV} to MOVA's feat/npu branch)")
+        if COMMIT not in origin.read_text():
+            raise ExtractProblem(f"the MOVA extract at {where} is not at commit {COMMIT[:7]} (its ORIGIN.md names "
+                                 f"another); ckptdoctor's patch and harness are checked on that commit only")
+        for name, digest in CHECKED_FILES.items():
+            if not (where / name).is_file():
+                raise ExtractProblem(f"the MOVA extract at {where} has no {name}")
+            if hashlib.sha256((where / name).read_bytes()).hexdigest() != digest:
+                raise ExtractProblem(f"{where / name} differs from MOVA {COMMIT[:7]}'s")
+        return cls(where)
+
+    def copy_to(self, dest: Path, patched: bool) -> Path:
+        """A writable copy of MOVA's code and configs; with the fix's patch applied if `patched`."""
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(self.path, dest, ignore=shutil.ignore_patterns("__pycache__", "ORIGIN.md"))
+        for path in [dest, *dest.rglob("*")]:
+            path.chmod(path.stat().st_mode | 0o200)
+        if patched:
+            apply_patch(dest)
+        return dest
+
+
+MOVA_IMPORTS = ("mmengine", "diffusers", "transformers", "einops", "yunchang", "ftfy", "torchvision")
+
+
+def check_dependencies() -> None:
+    """MOVA's own imports, installed in this stack (scripts/setup.sh does it)."""
+    import importlib.util
+
+    missing = [name for name in MOVA_IMPORTS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ExtractProblem(f"MOVA's trainer needs {', '.join(missing)} in this environment (scripts/setup.sh "
+                             f"installs them from requirements/)")
+
+
+def apply_patch(tree: Path, check_only: bool = False) -> None:
+    """`git apply` the fix's patch to a copy of the extract (one clear line if it does not apply)."""
+    args = ["git", "apply", "--check"] if check_only else ["git", "apply"]
+    proc = subprocess.run(args + [str(PATCH)], cwd=tree, capture_output=True, text=True)
+    if proc.returncode != 0:
+        first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
+        raise ExtractProblem(f"{PATCH.name} does not apply to {tree}: {first}")
+
+
+@dataclasses.dataclass
+class MovaRun:
+    """One job of MOVA's trainer, with the values of MOVA's own configs where they matter."""
+
+    mode: str = "sft"                  # "sft" (use_lora False) or "lora"
+    world_size: int = 8                # fsdp_8.yaml: num_processes 8 (cp 4 x dp_shard 2)
+    video_layers: int = 12
+    max_steps: int = 4                 # micro-steps, as MOVA counts global_step
+    save_interval: int = 4             # a multiple of gradient accumulation: saves fall on optimizer steps
+    gradient_accumulation_steps: int = 4  # mova_train_accelerate_8.py
+    dataset_length: int | None = None  # default: one epoch per save interval on every rank
+    resume_from: str | None = None
+    fault: dict | None = None
+    job_timeout_s: float = 1200.0
+
+    def config_text(self, save_path: Path) -> str:
+        """A config file in the format of MOVA's configs/training/mova_train_accelerate_8.py."""
+        length = self.dataset_length or self.save_interval * self.world_size
+        trainer = dict(max_steps=self.max_steps, num_train_timesteps=1000,
+                       gradient_accumulation_steps=self.gradient_accumulation_steps, gradient_clip_norm=1.0,
+                       mixed_precision="bf16", use_fsdp=True, warmup_steps=2, lr_scheduler_type="cosine",
+                       min_lr=1e-6, log_interval=1, logger_type="none", save_interval=self.save_interval,
+                       save_path=str(save_path), resume_from=self.resume_from,
+                       train_modules=["video_dit", "video_dit_2", "audio_dit", "dual_tower_bridge"],
+                       use_lora=self.mode == "lora", enable_cp=False)
+        sections = {
+            "diffusion_pipeline": dict(type="TinyMOVATrain", video_layers=self.video_layers),
+            "data": dict(dataset=dict(type="TinyVideoAudioDataset", length=length), transform=None, batch_size=1,
+                         num_workers=0),
+            "optimizer": dict(type="AdamW", lr=1e-4, betas=(0.9, 0.999), weight_decay=0.01, eps=1e-8),
+            "lora": dict(rank=16, alpha=16.0, dropout=0.0,
+                         target_modules=["q", "k", "v", "o", "to_q", "to_k", "to_v", "proj"]),
+            "fsdp": dict(sharding_strategy="FULL_SHARD", cpu_offload=True, backward_prefetch="BACKWARD_PRE",
+                         reshard_after_forward=True),
+            "trainer": trainer,
+        }
+        head = "# Written by ckptdoctor's MOVA harness, after configs/training/mova_train_accelerate_8.py\n"
+        return head + "".join(f"{name} = {value!r}\n" for name, value in sections.items())
+
+
+@dataclasses.dataclass
+class MovaOutcome:
+    ranks: list[dict]
+    returncode: int
+    log_path: Path
+    save_path: Path
+    wall_s: float
+
+
+def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *, save_path: Path | None = None,
+             time_collectives: bool = False, python: str | None = None, progress=None) -> MovaOutcome:
+    """Launch MOVA's `accelerate_train.py` on `run.world_size` ranks with `accelerate launch`.
+    Without `save_path`, the run saves into a fresh `root/checkpoints` (MOVA resumes from any
+    checkpoint it finds there); with one, it finds what is there, as MOVA does."""
+    root.mkdir(parents=True, exist_ok=True)
+    if save_path is None:
+        shutil.rmtree(root / "checkpoints", ignore_errors=True)
+    results = root / "results"
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir()
+    save_path = save_path or root / "checkpoints"
+    config = root / "mova_config.py"
+    config.write_text(run.config_text(save_path))
+    spec = root / "rank_spec.json"
+    spec.write_text(MovaRankSpec(str(extract_copy), str(config), str(results), deadline_s,
+                                 time_collectives=time_collectives, fault=run.fault).to_json())
+    args = [python or sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(extract_copy / ACCELERATE_CONFIG), "--main_process_port", "0",
+            "-m", "ckptdoctor.repro.mova.rank", str(spec)]
+    if run.world_size != 8:
+        args[5:5] = ["--num_processes", str(run.world_size), "--parallelism_config_dp_shard_size",
+                     str(run.world_size // 4)]
+    log_path = root / "job.log"
+    if progress:
+        progress(f"  MOVA {run.mode}: {run.world_size} ranks, gloo deadline {deadline_s:.3f} s, log {log_path}")
+    start = time.time()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
+                                                                              os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        try:
+            proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=run.job_timeout_s,
+                                  start_new_session=True)
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+    ranks = []
+    for rank in range(run.world_size):
+        path = results / f"rank{rank}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "status": "no report"})
+    if progress:
+        progress(f"  MOVA {run.mode}: done in {time.time() - start:.0f} s, exit code {code}")
+    return MovaOutcome(ranks, code, log_path, save_path, time.time() - start)
