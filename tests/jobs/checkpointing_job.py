@@ -11,6 +11,10 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     exit         rank RANK exits (os._exit) in its local plan
     bound        the accelerator's dcp.save was bound before ckptdoctor could wrap it
     blind        rank RANK does not see the newest checkpoint (a stale NFS view), at resume
+    load-PROBLEM save one step, then load it back with load_state after rank 0 damaged it:
+                 none, stock (saved by stock save_state: no marker, no index), missing-metadata,
+                 truncated-metadata (and no index), data-file-missing, extra-key (the model holds a key
+                 the checkpoint does not)
 (a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared)
 Each rank writes OUT/rank<N>.json: what happened, when.
 """
@@ -56,7 +60,52 @@ class StandInAccelerator:
             pickle.dump({"seed": 1}, f)
 
     def load_state(self, input_dir: str) -> None:
-        dcp.load({"model": self.model}, checkpoint_id=Path(input_dir) / "pytorch_model_fsdp_0")
+        """As Accelerate's: FileSystemReader(dir) and DefaultLoadPlanner() for the model, no planner for the
+        optimizer; the state is zeroed first, so a load that skipped an item shows."""
+        self.model["w"].to_local().zero_(), self.model["b"].zero_()
+        self.optim["state"]["w"]["step"].zero_()
+        dcp.load({"model": self.model}, storage_reader=dcp.FileSystemReader(Path(input_dir) / "pytorch_model_fsdp_0"),
+                 planner=dcp.DefaultLoadPlanner())
+        dcp.load({"optimizer": self.optim}, checkpoint_id=Path(input_dir) / "optimizer_0",
+                 storage_reader=dcp.FileSystemReader(Path(input_dir) / "optimizer_0"))
+
+    def state_is_the_saved_one(self) -> bool:
+        expected = StandInAccelerator().model
+        return torch.equal(self.model["w"].to_local(), expected["w"].to_local()) and \
+            torch.equal(self.model["b"], expected["b"]) and self.optim["state"]["w"]["step"].item() == 2.0
+
+
+def damage(state_dir: Path, problem: str) -> None:
+    """Rank 0 breaks a published checkpoint the way a user's disk or code would."""
+    model = state_dir / "pytorch_model_fsdp_0"
+    if problem == "missing-metadata":
+        (model / ".metadata").unlink()
+    elif problem == "truncated-metadata":
+        (model / ".ckptdoctor-index").unlink(missing_ok=True)
+        data = (model / ".metadata").read_bytes()
+        (model / ".metadata").write_bytes(data[:len(data) // 2])
+    elif problem == "data-file-missing":
+        (model / "__1_0.distcp").unlink()
+
+
+def save_then_load(ckpt, accelerator, root: Path, problem: str, report: dict) -> None:
+    state_dir = root / "step-1" / "accelerator"
+    if problem == "stock":
+        accelerator.save_state(str(state_dir))  # stock save_state: no marker, no index
+    else:
+        ckpt.save_state(state_dir)
+    if dist.get_rank() == 0:
+        damage(state_dir, problem)
+    dist.barrier()
+    if problem == "extra-key":
+        accelerator.model["extra"] = torch.zeros(2)
+    start = time.time()
+    try:
+        ckpt.load_state(state_dir)
+    finally:
+        report["load_s"] = time.time() - start
+    report["state_is_the_saved_one"] = accelerator.state_is_the_saved_one()
+    report["indexed"] = sorted(p.parent.name for p in state_dir.glob("*/.ckptdoctor-index"))
 
 
 def stop_in_planning(rank: int, how: str) -> None:
@@ -93,6 +142,8 @@ def main() -> int:
                 real = checkpointing.is_complete
                 checkpointing.is_complete = lambda p: False if "step-2" in str(p) else real(p)
             report["resumed_from"] = str(ckpt.latest(root, "accelerator"))
+        elif fault.startswith("load-"):
+            save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
         report["status"] = "ok"

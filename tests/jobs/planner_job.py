@@ -3,7 +3,9 @@
     python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
                                                  (PLANNER: stock, ours, ours-owned = without derived metadata;
                                                   +writer: with ScalableFileSystemWriter)
-    python planner_job.py load DIR               stock dcp.load into this world size, compare
+    python planner_job.py load DIR [READER]      dcp.load into this world size, compare (READER: stock, or
+                                                 ours = ScalableLoadPlanner + ScalableFileSystemReader, whose
+                                                 read plan is also compared with stock's, item by item)
     python planner_job.py load-save DIR OUT      load (compare), then save again with ours
 
 Every tensor is a deterministic function of its name, so any world size knows what each of
@@ -31,6 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ckptdoctor import ScalableFileSystemWriter, ScalableSavePlanner
+from ckptdoctor.fix.load_planner import ScalableLoadPlanner
+from ckptdoctor.fix.storage import ScalableFileSystemReader
 
 SHAPES = {"fsdp.w": (10, 7), "fsdp.down": (3, 13), "fsdp.small": (2,), "hsdp.w": (9, 5), "plain.lora": (4, 4)}
 
@@ -104,6 +108,22 @@ def mismatches(state: dict) -> list[str]:
     return bad
 
 
+def stock_load_plan(path: Path, rank: int, world: int):
+    """The read plan stock's DefaultLoadPlanner makes on this rank for the same state dict."""
+    state = build(rank, world, zeros=True)
+    planner = dcp.DefaultLoadPlanner()
+    planner.set_up_planner({key: state[key] for key in sorted(state)},  # as dcp.load orders the top-level keys
+                           dcp.FileSystemReader(path).read_metadata(), rank == 0)
+    return planner.create_local_plan()
+
+
+def read_plan(plan) -> list:
+    """Every read item's fields, in order (MetadataIndex's index hint included)."""
+    return [(i.type.name, i.dest_index.fqn, tuple(i.dest_index.offset or ()), i.dest_index.index,
+             tuple(i.dest_offsets), i.storage_index.fqn, tuple(i.storage_index.offset or ()),
+             i.storage_index.index, tuple(i.storage_offsets), tuple(i.lengths)) for i in plan.items]
+
+
 def main() -> int:
     op, path = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -131,7 +151,17 @@ def main() -> int:
             report["mode"] = getattr(planner, "mode", "stock planner")
     else:
         state = build(rank, world, zeros=True)
-        dcp.load(state, checkpoint_id=path)  # stock loader and planner
+        if op == "load" and sys.argv[3:] == ["ours"]:
+            planner = ScalableLoadPlanner()
+            start = time.time()
+            dcp.load(state, checkpoint_id=path, planner=planner, storage_reader=ScalableFileSystemReader(path))
+            report["load_s"] = time.time() - start
+            ours, stock = read_plan(planner.plan), read_plan(stock_load_plan(path, rank, world))
+            report["plan_equals_stock"] = ours == stock
+            report["plan_difference"] = next(([a, b] for a, b in zip(ours, stock) if a != b), len(ours) - len(stock))
+            report["items_read"] = len(planner.plan.items)
+        else:
+            dcp.load(state, checkpoint_id=path)  # stock loader and planner
         report["mismatches"] = mismatches(state)
         if op == "load-save":
             out = Path(sys.argv[3])

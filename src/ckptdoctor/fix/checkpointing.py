@@ -55,8 +55,11 @@ from pathlib import Path
 
 from ..errors import CkptDoctorError
 from .compat import check_versions
+from .index import (INDEX_NAME, METADATA_NAME, CorruptCheckpoint, NotIndexable, data_file_extents, read_index,
+                    read_metadata_file, write_index)
+from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
-from .storage import ScalableFileSystemWriter
+from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 log = logging.getLogger("ckptdoctor.checkpointing")
 INCOMPLETE = ".incomplete-"
@@ -151,12 +154,22 @@ class ScalableCheckpointing:
     def load_state(self, input_dir: str | os.PathLike) -> None:
         path = Path(input_dir)
         if not (is_complete(path) or is_complete(path.parent) or legacy_complete(path)):
-            raise CheckpointAborted(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER}, or a DCP "
-                                    f".metadata missing); refusing to load it")
+            raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
         self._start_operation()
         try:
+            verdict = self._broadcast(prepare_for_load(path) if self.rank == 0 else None)
+            if verdict != "ok":
+                raise CheckpointAborted(f"rank {self.rank}: not loading {path}: {verdict}")
             with self._step("load_state"), self._dcp_on_checkpoint_group(None, path):
-                self.accelerator.load_state(str(path))
+                try:
+                    self.accelerator.load_state(str(path))
+                except BaseException as error:
+                    if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or \
+                            not hasattr(error, "failures"):
+                        raise
+                    raise CheckpointAborted(f"rank {self.rank}: loading {path} failed on rank(s) "
+                                            f"{', '.join(map(str, sorted(error.failures)))}: "
+                                            f"{_first_failure(error)}") from error
         except BaseException:
             self.heartbeat.stop(aborted=True)
             raise
@@ -236,7 +249,7 @@ class ScalableCheckpointing:
         the planner and writer; every call is counted and its directory recorded. Restored on
         exit, also on error."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+        from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
         original_save, original_load = dcp.save, dcp.load
         group, verify = self.group, self.verify_replicas
@@ -265,8 +278,21 @@ class ScalableCheckpointing:
                                                                              verify_replicas=verify), **kwargs)
 
         @functools.wraps(original_load)
-        def load(*args, process_group=None, **kwargs):
-            return original_load(*args, process_group=process_group or group, **kwargs)
+        def load(state_dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,
+                 **kwargs):
+            if planner is not None and type(planner) is not DefaultLoadPlanner:
+                raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
+                                        f"DefaultLoadPlanner, so this load would not be the fix's")
+            if type(storage_reader) is FileSystemReader:  # a subclass without state of its own: same settings
+                storage_reader.__class__ = ScalableFileSystemReader
+            elif storage_reader is None and checkpoint_id is not None:
+                storage_reader = ScalableFileSystemReader(checkpoint_id)
+            options = {} if planner is None else dict(flatten_state_dict=planner.flatten_state_dict,
+                                                      flatten_sharded_tensors=planner.flatten_sharded_tensors,
+                                                      allow_partial_load=planner.allow_partial_load)
+            return original_load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                                 planner=ScalableLoadPlanner(**options), process_group=process_group or group,
+                                 **kwargs)
 
         dcp.save, dcp.load = save, load
         try:
@@ -332,6 +358,42 @@ def publish(staging: Path, opened: _Staging) -> str:
     return "published"
 
 
+def prepare_for_load(state_dir: Path) -> str:
+    """Rank 0, before a load: every DCP checkpoint in `state_dir` has its index (made now, once,
+    for a checkpoint stock DCP wrote) and every data file its chunks need, whole. Returns "ok" or
+    the first problem, naming the file."""
+    checkpoints = sorted(d for d in Path(state_dir).iterdir() if d.is_dir() and
+                         ((d / METADATA_NAME).exists() or (d / INDEX_NAME).exists() or
+                          d.name.startswith(("pytorch_model_fsdp_", "optimizer_"))))
+    try:
+        for directory in checkpoints:
+            for name, extent in data_file_extents(_indexed(directory)).items():
+                file = directory / name
+                if not file.is_file():
+                    return f"{file} is missing"
+                if file.stat().st_size < extent:
+                    return f"{file} is truncated: {file.stat().st_size} bytes, its chunks reach {extent}"
+    except CorruptCheckpoint as problem:
+        return str(problem)
+    return "ok"
+
+
+def _indexed(directory: Path):
+    """The checkpoint's storage index: from its index file, made now if it has none (a stock
+    checkpoint: one unpickle of .metadata here instead of one on every rank), or, where no index
+    can be written, the unpickled .metadata's own."""
+    metadata = read_index(directory)
+    if metadata is not None:
+        return metadata.storage_data
+    stock = read_metadata_file(directory)
+    try:
+        write_index(directory, stock)
+    except (OSError, NotIndexable) as reason:  # read-only, or chunks the index has no column for
+        log.info("ckptdoctor: %s stays without an index (%s): every rank reads its .metadata", directory, reason)
+        return stock.storage_data
+    return read_index(directory).storage_data
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -366,6 +428,28 @@ def legacy_complete(path: Path) -> bool:
     models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
     return bool(models and optimizers) and all((d / ".metadata").is_file() for d in models + optimizers) and \
         (state / "random_states_0.pkl").is_file()
+
+
+def why_incomplete(path: Path) -> str:
+    """What keeps `path` (an Accelerate state directory, or the step directory holding one) from
+    counting as a checkpoint, naming the file."""
+    path = Path(path)
+    if INCOMPLETE in path.name or INCOMPLETE in path.parent.name:
+        return "a staging directory: its save did not finish"
+    for marked in (path, path.parent):
+        if (marked / COMPLETE_MARKER).is_file():
+            try:
+                listed = json.loads((marked / COMPLETE_MARKER).read_text()).get("dcp_checkpoints", [])
+            except ValueError:
+                return f"{marked / COMPLETE_MARKER} is unreadable"
+            missing = [marked / c / METADATA_NAME for c in listed if not (marked / c / METADATA_NAME).is_file()]
+            return f"{missing[0]} is missing" if missing else "complete"
+    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
+    needed = [d / METADATA_NAME for d in sorted(state.glob("pytorch_model_fsdp_*")) + sorted(state.glob("optimizer_*"))]
+    missing = [f for f in needed + [state / "random_states_0.pkl"] if not f.is_file()]
+    if not needed:
+        return f"no {COMPLETE_MARKER} in {path}, and no model or optimizer checkpoint in {state}"
+    return f"{missing[0]} is missing" if missing else "complete"
 
 
 STEP_NAME = re.compile(r"^(?P<base>\D*?)(?P<step>\d+)(?P<replaced>" + re.escape(REPLACED) + r"[0-9a-f]+)?$")

@@ -28,15 +28,19 @@ from __future__ import annotations
 import array
 import copyreg
 import dataclasses
+import logging
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from .index import IndexColumns, NotIndexable, read_index, read_metadata_file, row_bases, write_index
 from .planner import IncompleteWrite, coverage_problems
+
+log = logging.getLogger("ckptdoctor.storage")
 
 
 class ScalableFileSystemWriter(FileSystemWriter):
@@ -53,12 +57,35 @@ class ScalableFileSystemWriter(FileSystemWriter):
         if results and all(isinstance(r, WrittenItems) for r in results):
             _raise_on(columns_coverage_problems(metadata, results))
             super().finish(_with_storage_columns(metadata, StorageColumns(results, metadata)), [])
+            columns = index_columns(results, metadata)
         else:
             expanded = [r.write_results(metadata) if isinstance(r, WrittenItems) else r for r in results]
             _raise_on(coverage_problems(metadata, ((r.index.fqn, tuple(r.index.offset or ()))
                                                    for rank in expanded for r in rank)))
             super().finish(metadata, expanded)
+            columns = None  # write_index reads the storage_data FileSystemWriter.finish filled in
+        try:
+            write_index(self.path, metadata, columns)  # after .metadata: without it, readers read .metadata
+        except NotIndexable as reason:
+            log.info("ckptdoctor: no index for %s (%s); readers will unpickle .metadata", self.path, reason)
         metadata.__dict__["_written"] = True  # the broadcast that follows sends the slim copy
+
+
+def index_columns(written: list["WrittenItems"], metadata: Metadata) -> IndexColumns:
+    """The index's columns from every rank's integer columns, in one vectorised pass: the row of
+    (key, chunk) is the key's first row plus the chunk's position (bytes items: chunk -1, row 0)."""
+    keys, bases, rows = row_bases(metadata.state_dict_metadata)
+    first_row = torch.tensor([bases[k] for k in keys], dtype=torch.int64)
+    path = torch.full((rows,), -1, dtype=torch.int32)
+    offset, length = torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+    path_ids: dict[str, int] = {}
+    for items in written:
+        global_path = torch.tensor([path_ids.setdefault(p, len(path_ids)) for p in items.paths] or [0],
+                                   dtype=torch.int32)
+        row = first_row[_as_tensor(items.key)] + _as_tensor(items.chunk).clamp(min=0)
+        path[row] = global_path[_as_tensor(items.path)]
+        offset[row], length[row] = _as_tensor(items.offset), _as_tensor(items.length)
+    return IndexColumns(list(path_ids), path, offset, length)
 
 
 def _raise_on(problems: list[str]) -> None:
@@ -181,3 +208,21 @@ def _with_storage_columns(metadata: Metadata, columns: StorageColumns) -> Metada
     copy.__dict__.update(metadata.__dict__)
     copy._storage_columns = columns
     return copy
+
+
+class ScalableFileSystemReader(FileSystemReader):
+    """Drop-in for `FileSystemReader`. With the checkpoint's index (`index.py`: written by
+    `ScalableFileSystemWriter`, or by `write_index` for a stock checkpoint), a rank unpickles the
+    skeleton of the metadata, whose chunk lists are shared, and reads the storage entries of the
+    chunks it loads; without it, `.metadata` as stock does. A missing or damaged file is one
+    `CorruptCheckpoint` line naming it."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if kwargs.get("rank") is not None:  # torch >= 2.10's rank-local metadata: stock's
+            return super().read_metadata(*args, **kwargs)
+        metadata = read_index(self.path) or read_metadata_file(self.path)
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata

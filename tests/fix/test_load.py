@@ -1,0 +1,65 @@
+"""The load side of the fix on real gloo ranks: ScalableLoadPlanner + ScalableFileSystemReader
+read stock-written and ours-written checkpoints bit for bit, at the saving world size and at
+others, with stock's read plan item for item; ScalableCheckpointing.load_state refuses a
+damaged checkpoint with one line naming the file, on every rank, without hanging."""
+
+import re
+
+import pytest
+
+from ckptdoctor.fix.index import INDEX_NAME, read_metadata_file, write_index
+
+from test_checkpointing import checkpoint_job
+from test_planner import run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One checkpoint per writer, saved by 4 ranks: ours (with its index), stock (without), and the
+    same stock checkpoint with an index written afterwards, as load_state does for it."""
+    root = tmp_path_factory.mktemp("saved")
+    run(root, 4, "save", root / "ours", "ours+writer")
+    run(root, 4, "save", root / "stock", "stock")
+    run(root, 4, "save", root / "stock-indexed", "stock")
+    write_index(root / "stock-indexed", read_metadata_file(root / "stock-indexed"))
+    return root
+
+
+@pytest.mark.parametrize("writer, world", [("ours", 4), ("ours", 2), ("ours", 8), ("stock", 8), ("stock-indexed", 2)])
+def test_loads_bit_exactly_with_stocks_read_plan_at_any_world_size(saved, tmp_path, writer, world):
+    assert (saved / writer / INDEX_NAME).exists() == (writer != "stock")
+    reports = run(tmp_path, world, "load", saved / writer, "ours")
+    assert [r["mismatches"] for r in reports] == [[]] * world  # every value, bit for bit
+    assert [r["plan_equals_stock"] for r in reports] == [True] * world, reports[0]["plan_difference"]
+    assert all(r["items_read"] > 0 for r in reports)
+
+
+def load_job(tmp_path, problem):
+    result, reports, out = checkpoint_job(tmp_path, f"load-{problem}")
+    assert result.returncodes == [0] * 4 and result.torn_down == [], "every rank ends on its own"
+    return reports, out / "ckpt" / "step-1" / "accelerator"
+
+
+@pytest.mark.parametrize("problem", ["none", "stock"])
+def test_load_state_reads_its_own_and_stocks_checkpoints_back(tmp_path, problem):
+    reports, state_dir = load_job(tmp_path, problem)
+    assert {r["status"] for r in reports.values()} == {"ok"}, reports[0].get("error")
+    assert all(r["state_is_the_saved_one"] for r in reports.values())
+    assert reports[0]["indexed"] == ["optimizer_0", "pytorch_model_fsdp_0"]  # a stock checkpoint: indexed at load
+
+
+@pytest.mark.parametrize("problem, line", [
+    ("missing-metadata", r"not a complete checkpoint \(.*/pytorch_model_fsdp_0/\.metadata is missing\)"),
+    ("truncated-metadata", r"not loading .*: .*/pytorch_model_fsdp_0/\.metadata is truncated or corrupt"),
+    ("data-file-missing", r"not loading .*: .*/pytorch_model_fsdp_0/__1_0\.distcp is missing"),
+    ("extra-key", r"loading .* failed on rank\(s\) 0, 1, 2, 3: Missing key in checkpoint state_dict: model\.extra"),
+])
+def test_a_damaged_checkpoint_is_refused_on_every_rank_in_one_line_naming_it(tmp_path, problem, line):
+    reports, _ = load_job(tmp_path, problem)
+    assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
+    for report in reports.values():
+        assert "\n" not in report["error"]
+        assert re.search(line, report["error"]), report["error"]
+        assert report["load_s"] < 60
