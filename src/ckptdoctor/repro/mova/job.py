@@ -28,6 +28,7 @@ EXTRACT_ENV = "CKPTDOCTOR_MOVA_EXTRACT"
 COMMIT = "056ea5dad743378806294303d19798041b4322ca"  # MOVA feat/npu, the extract's ORIGIN.md
 REPO = Path(__file__).resolve().parents[4]
 PATCH = REPO / "patches" / "mova-feat-npu.patch"
+CONTEXT_PARALLEL = 4  # fsdp_8.yaml: parallelism_config_cp_size
 ACCELERATE_CONFIG = Path("configs") / "training" / "accelerate" / "fsdp_8.yaml"
 TRAINER = Path("mova") / "engine" / "trainer" / "accelerate" / "accelerate_trainer.py"
 # sha256 of the files the fix and the harness read, at COMMIT (so that another commit is caught)
@@ -108,14 +109,23 @@ class MovaRun:
     max_steps: int = 4                 # micro-steps, as MOVA counts global_step
     save_interval: int = 4             # a multiple of gradient accumulation: saves fall on optimizer steps
     gradient_accumulation_steps: int = 4  # mova_train_accelerate_8.py
-    dataset_length: int | None = None  # default: one epoch per save interval on every rank
+    # Default: an epoch ends at every save. MOVA's resume restarts the data iterator, whose creation
+    # draws the sampler's seed from torch's global RNG; an uninterrupted run makes the same draw
+    # only where an epoch ends, so only there can the two continue bit for bit.
+    dataset_length: int | None = None
     resume_from: str | None = None
     fault: dict | None = None
     job_timeout_s: float = 1200.0
 
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks the dataloader is split over: fsdp_8.yaml folds context parallelism (4) into
+        the mesh, so 8 ranks hold 2 data-parallel shards."""
+        return max(1, self.world_size // CONTEXT_PARALLEL)
+
     def config_text(self, save_path: Path) -> str:
         """A config file in the format of MOVA's configs/training/mova_train_accelerate_8.py."""
-        length = self.dataset_length or self.save_interval * self.world_size
+        length = self.dataset_length or self.save_interval * self.data_parallel_size
         trainer = dict(max_steps=self.max_steps, num_train_timesteps=1000,
                        gradient_accumulation_steps=self.gradient_accumulation_steps, gradient_clip_norm=1.0,
                        mixed_precision="bf16", use_fsdp=True, warmup_steps=2, lr_scheduler_type="cosine",
@@ -169,7 +179,7 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
             "-m", "ckptdoctor.repro.mova.rank", str(spec)]
     if run.world_size != 8:
         args[5:5] = ["--num_processes", str(run.world_size), "--parallelism_config_dp_shard_size",
-                     str(run.world_size // 4)]
+                     str(run.data_parallel_size)]
     log_path = root / "job.log"
     if progress:
         progress(f"  MOVA {run.mode}: {run.world_size} ranks, gloo deadline {deadline_s:.3f} s, log {log_path}")

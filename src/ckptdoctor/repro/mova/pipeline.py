@@ -16,6 +16,7 @@ Importing this module needs MOVA on the path (the harness's rank entry puts it t
 from __future__ import annotations
 
 import os
+import zlib
 
 import torch
 from mova.diffusion.schedulers.flow_match import FlowMatchScheduler
@@ -33,6 +34,7 @@ class TinyMOVATrain(BasePipeline):
     """MOVA's training pipeline interface on the MOVA-shaped model."""
 
     last_losses: list[float] = []
+    rng_digests: list[int] = []  # CRC-32 of torch's RNG state at each forward
 
     def __init__(self, video_layers: int = 2, device: str = "cpu", torch_dtype=torch.bfloat16, seed: int = 1234,
                  use_gradient_checkpointing: bool = False, use_gradient_checkpointing_offload: bool = False):
@@ -65,6 +67,7 @@ class TinyMOVATrain(BasePipeline):
             torch.save(getattr(self, name).state_dict(), os.path.join(module_path, "pytorch_model.bin"))
 
     def forward(self, video, audio, first_frame, caption, global_step=0, cp_mesh=None, **kwargs):
+        TinyMOVATrain.rng_digests.append(zlib.crc32(torch.get_rng_state().numpy().tobytes()))
         index = torch.randint(0, len(self.scheduler.timesteps), (video.shape[0],))
         t = self.scheduler.timesteps[index].float() / self.scheduler.num_train_timesteps
         text_ids = torch.tensor([[ord(c) % self._model[0].shape.vocab for c in text[:4].ljust(4)] for text in caption])

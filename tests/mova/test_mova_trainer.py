@@ -1,0 +1,158 @@
+"""MOVA's own trainer (accelerate_train.py -> AccelerateTrainer), 8 CPU gloo ranks under
+`accelerate launch` with MOVA's fsdp_8.yaml: the reproduction through its real code, the
+patch at the deadline that breaks it, a rank killed mid-save, and resume (minutes each).
+
+On the reporter's stack only (torch 2.8.0, accelerate 1.13.0): that is the code the patch is
+for, and these jobs take about a quarter of the suite's time."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptdoctor.fix.checkpointing import COMPLETE_MARKER, INCOMPLETE, find_latest, is_complete, legacy_complete
+from ckptdoctor.repro.mova.job import MovaRun, run_mova
+from ckptdoctor.repro.reproduce import ReproOptions, reproduce
+from ckptdoctor.repro.stacks import USER, installed_versions
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(installed_versions() != (USER.torch, USER.accelerate),
+                                                   reason="MOVA's trainer is tested on the reporter's stack")]
+REPORTED_CHAIN = ["main", "train", "_save_checkpoint", "save_state", "save_fsdp_optimizer", "wrapper", "inner_func",
+                  "save", "_save_state_dict", "reduce_scatter", "scatter_object", "wrapper", "scatter_object_list",
+                  "wrapper", "broadcast"]
+SMALL = 2  # DiT blocks per video tower for the resume jobs (the reproduction needs its default)
+
+
+def reproduction(extract, tmp_path_factory, mode, fix=False, deadline_s=None):
+    out = tmp_path_factory.mktemp(f"mova-{mode}{'-fixed' if fix else ''}")
+    return reproduce(ReproOptions(trainer="mova", mode=mode, output_dir=out, fix=fix, deadline_s=deadline_s,
+                                  extract=str(extract.path)), progress=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def sft(extract, tmp_path_factory):
+    return reproduction(extract, tmp_path_factory, "sft")
+
+
+@pytest.fixture(scope="module")
+def lora(extract, tmp_path_factory):
+    return reproduction(extract, tmp_path_factory, "lora")
+
+
+@pytest.fixture(scope="module")
+def sft_fixed(sft, extract, tmp_path_factory):
+    return reproduction(extract, tmp_path_factory, "sft", fix=True, deadline_s=sft["deadline_ms"] / 1000)
+
+
+@pytest.fixture(scope="module")
+def lora_fixed(lora, extract, tmp_path_factory):
+    return reproduction(extract, tmp_path_factory, "lora", fix=True, deadline_s=lora["deadline_ms"] / 1000)
+
+
+# -- the reproduction through MOVA's own files --------------------------------------------------
+
+def test_unpatched_sft_times_out_in_the_reported_chain_through_movas_own_files(sft):
+    assert sft["reproduced"] is True, sft.get("attempts")
+    assert (sft["failed_call"], sft["failed_phase"], sft["waiting_call"]) == \
+        ("save_fsdp_optimizer", "plan-scatter", "broadcast")
+    assert sft["model_save_ok"] is True and sft["optimizer_save_ok"] is False
+    frames = sft["frames"]
+    assert frames[frames.index("main", 1):] == REPORTED_CHAIN  # from accelerate_train.py's main down
+    movas = [loc for loc in sft["frame_locations"] if "/mova/" in loc or "accelerate_train.py" in loc]
+    assert [re.sub(r".*/(scripts|mova)/", r"\1/", loc) for loc in movas] == [
+        "scripts/training_scripts/accelerate_train.py:148 in <module>",
+        "scripts/training_scripts/accelerate_train.py:144 in main",
+        "mova/engine/trainer/accelerate/accelerate_trainer.py:466 in train",
+        "mova/engine/trainer/accelerate/accelerate_trainer.py:515 in _save_checkpoint"]
+    assert re.fullmatch(r"\[[^\]]*/gloo/transport/tcp/unbound_buffer\.cc:\d+\] Timed out waiting "
+                        rf"{sft['deadline_ms']}ms for recv operation to complete", sft["gloo_error"])
+    assert sft["ranks_timed_out"] == list(range(1, 8))
+
+
+def test_unpatched_lora_times_out_in_the_model_saves_plan_scatter(lora):
+    assert lora["reproduced"] is True, lora.get("attempts")
+    assert (lora["failed_call"], lora["failed_phase"], lora["waiting_call"]) == \
+        ("save_fsdp_model", "plan-scatter", "broadcast")
+    assert "accelerate_trainer.py:515 in _save_checkpoint" in " ".join(lora["frame_locations"])
+
+
+@pytest.mark.parametrize("which", ["sft", "lora"])
+def test_patched_mova_saves_at_the_deadline_that_broke_it(which, request):
+    stock, fixed = request.getfixturevalue(which), request.getfixturevalue(f"{which}_fixed")
+    assert stock["reproduced"] is True and fixed["deadline_ms"] == stock["deadline_ms"]
+    assert fixed["gloo_error"] is None and set(fixed["rank_status"].values()) == {"ok"}
+    assert fixed["save_ok"] is True
+    save_path = Path(fixed["checkpoint_dir"]).parent.parent
+    for step in ("step-4", "final"):  # MOVA saves at the interval and at the end: both published whole
+        assert is_complete(save_path / step), step
+        marker = json.loads((save_path / step / COMPLETE_MARKER).read_text())
+        assert sorted(marker["dcp_checkpoints"]) == ["accelerator/optimizer_0", "accelerator/pytorch_model_fsdp_0"]
+    assert not [p for p in save_path.iterdir() if INCOMPLETE in p.name]
+
+
+# -- resume on MOVA's code ------------------------------------------------------------------------
+
+def mova_job(copy, root, mode, max_steps, save_path=None, fault=None):
+    run = MovaRun(mode=mode, video_layers=SMALL, max_steps=max_steps, save_interval=4, fault=fault)
+    return run_mova(run, copy, root, deadline_s=1800.0, save_path=save_path)
+
+
+def per_rank(outcome, field):
+    return [r[field] for r in outcome.ranks]
+
+
+@pytest.fixture(scope="module")
+def straight(mova_copies, tmp_path_factory):
+    """Patched MOVA, 8 steps without interruption, per mode: the losses a resume must repeat."""
+    root = tmp_path_factory.mktemp("straight")
+    runs = {mode: mova_job(mova_copies["patched"], root / mode, mode, 8) for mode in ("sft", "lora")}
+    for run in runs.values():
+        assert run.returncode == 0, run.log_path.read_text()[-3000:]
+    return runs
+
+
+def test_a_rank_killed_mid_save_publishes_nothing_and_the_resume_repeats_the_uninterrupted_losses(
+        mova_copies, straight, tmp_path):
+    fault = {"kind": "exit", "rank": 3, "save": "optimizer_0", "call": 2}  # in step-8's optimizer save
+    killed = mova_job(mova_copies["patched"], tmp_path / "killed", "sft", 8, fault=fault)
+    assert killed.returncode != 0
+    fault_at = float((tmp_path / "killed" / "results" / "fault_at").read_text())
+    others = [r for r in killed.ranks if r["rank"] != 3]
+    assert all(r["status"] in ("failed", "terminated") for r in others), [r["status"] for r in others]
+    assert max(r["ended_s"] for r in others) - fault_at < 60, "the others must end within seconds, not at a timeout"
+    save_path = killed.save_path
+    assert find_latest(save_path) == save_path / "step-4"  # step-8 was never published ...
+    assert not (save_path / "step-8").exists() and [p.name.startswith("step-8" + INCOMPLETE)
+                                                     for p in save_path.iterdir() if "step-8" in p.name] == [True]
+    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "sft", 8, save_path=save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    assert "[Resume] Loaded from " + str(save_path / "step-4") + ", step=4" in resumed.log_path.read_text()
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
+    assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]
+
+
+def test_lora_resume_takes_every_piece_from_one_step_and_repeats_the_uninterrupted_losses(
+        mova_copies, straight, tmp_path):
+    first = mova_job(mova_copies["patched"], tmp_path / "first", "lora", 4)
+    assert first.returncode == 0, first.log_path.read_text()[-3000:]
+    step4 = first.save_path / "step-4"
+    assert torch.load(step4 / "trainer_state.pt")["global_step"] == 4
+    reference = straight["lora"].save_path / "step-4" / "lora_weights.pt"  # the same 4 steps, uninterrupted run
+    ours, theirs = torch.load(step4 / "lora_weights.pt"), torch.load(reference)
+    assert ours.keys() == theirs.keys() and len(ours) > 0
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # gathered adapter by adapter, bit for bit
+    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "lora", 8, save_path=first.save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["lora"], "losses")]
+
+
+def test_a_checkpoint_of_the_unpatched_trainer_still_resumes_with_the_patch(mova_copies, straight, tmp_path):
+    stock = mova_job(mova_copies["stock"], tmp_path / "stock", "sft", 4)
+    assert stock.returncode == 0, stock.log_path.read_text()[-3000:]
+    assert legacy_complete(stock.save_path / "step-4") and not is_complete(stock.save_path / "step-4")
+    assert per_rank(stock, "losses") == [losses[:4] for losses in per_rank(straight["sft"], "losses")]
+    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "sft", 8, save_path=stock.save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
