@@ -43,9 +43,9 @@ def cmd_repro(args) -> int:
         raise CkptDoctorError(f"--layers must be at least 1, got {args.layers}")
     if args.attempts < 1:
         raise CkptDoctorError(f"--attempts must be at least 1, got {args.attempts}")
-    if args.trainer == "mova" and (args.cp > 1 or args.no_offload or args.ranks != 8):
-        raise CkptDoctorError("--trainer mova runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, offload): "
-                              "--ranks, --cp and --no-offload are the look-alike trainer's")
+    if args.trainer != "lookalike" and (args.cp > 1 or args.no_offload or args.ranks != 8):
+        raise CkptDoctorError("MOVA's trainer runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, offload): "
+                              "--ranks, --cp and --no-offload are the look-alike trainer's (add --trainer lookalike)")
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, trainer=args.trainer, video_layers=args.layers,
                         output_dir=_writable_dir(args.out), deadline_s=args.deadline, attempts=args.attempts,
                         offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract)
@@ -143,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "and tries again.",
         epilog="exit status: 0 reproduced as stated (or, with --fix, saved and verified); 1 not reproduced after "
                "--attempts; 2 bad input; 4 the job's waits cannot be separated (the message says what to change)")
-    repro.add_argument("--trainer", choices=("lookalike", "mova"), default="lookalike",
-                       help="MOVA's own trainer code (needs the extract) or the look-alike (default lookalike)")
+    repro.add_argument("--trainer", choices=("auto", "mova", "lookalike"), default="auto",
+                       help="MOVA's own trainer code (needs its extract: --extract), ckptdoctor's look-alike, or auto "
+                            "(default): MOVA's when its extract is found, else the look-alike")
     repro.add_argument("--ranks", type=int, default=8, help="number of ranks (default 8)")
     repro.add_argument("--mode", choices=("sft", "lora"), default="sft", help="full fine-tuning or LoRA (default sft)")
     repro.add_argument("--layers", type=int, default=None,

@@ -54,7 +54,7 @@ class NotSeparable(CkptDoctorError):
 class ReproOptions:
     world_size: int = 8
     mode: str = "sft"
-    trainer: str = "lookalike"          # "lookalike" (repro/trainer.py) or "mova" (MOVA's own, repro/mova)
+    trainer: str = "lookalike"          # "lookalike" (repro/trainer.py), "mova" (MOVA's own, repro/mova) or "auto"
     video_layers: int | None = None     # None: DEFAULT_LAYERS[trainer]
     output_dir: Path = Path("runs/repro")
     deadline_s: float | None = None     # None: chosen from the calibration run
@@ -160,9 +160,21 @@ class LookAlikeTrainer:
         return run_job(self.opts, name, deadline_s, progress, time_collectives=time_collectives, fix=fix, saves=saves)
 
 
-def trainer_for(opts: ReproOptions):
-    if opts.trainer not in ("lookalike", "mova"):
-        raise CkptDoctorError(f"unknown trainer {opts.trainer!r}; expected 'lookalike' or 'mova'")
+def trainer_for(opts: ReproOptions, progress=print):
+    """The trainer to run: "auto" takes MOVA's own when its extract is here, else the look-alike."""
+    from .mova.job import Extract, ExtractProblem
+
+    if opts.trainer not in ("lookalike", "mova", "auto"):
+        raise CkptDoctorError(f"unknown trainer {opts.trainer!r}; expected 'auto', 'mova' or 'lookalike'")
+    if opts.trainer == "auto":
+        try:
+            Extract.find(opts.extract)
+            opts.trainer = "mova"
+        except ExtractProblem as problem:
+            progress(f"[trainer] the look-alike trainer: MOVA's own is not available ({problem})")
+            opts.trainer = "lookalike"
+        else:
+            progress("[trainer] MOVA's own trainer (accelerate_train.py -> AccelerateTrainer), from its extract")
     return MovaTrainer(opts) if opts.trainer == "mova" else LookAlikeTrainer(opts)
 
 
@@ -317,6 +329,7 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
         if costs else None,
         "rank_status": {r["rank"]: r.get("status") for r in outcome.ranks},
         "log": str(outcome.log_path),
+        "checkpoint_dir": str(outcome.checkpoint_dir),
     }
 
 
@@ -328,7 +341,7 @@ def attempt_summary(number: int, report: dict) -> dict:
 
 def reproduce(opts: ReproOptions, progress=print) -> dict:
     """Calibrate (unless a deadline is given), then attempt the reproduction (or the fixed save)."""
-    trainer = trainer_for(opts)
+    trainer = trainer_for(opts, progress)
     costs = None
     if opts.deadline_s is None:
         progress(f"[calibration] the same job under a {REPORTED_DEADLINE_S:.0f} s deadline, saving twice, to measure "

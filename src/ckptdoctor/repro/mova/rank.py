@@ -16,6 +16,8 @@ config file as its argument), this rank:
   (Accelerate's device mesh, which carries FSDP's collectives: HCCL's job on NPU);
 * makes the CPU adjustments of `repro/accelerate_cpu.py` right after MOVA's own
   `init_distributed_adapter` returns: Accelerate's FSDP2 path on CPU, unpinned CPU offload;
+* freezes the objects of MOVA's setup for the garbage collector as its `train()` starts
+  (`worker.freeze_setup_objects`, which says why);
 * installs the pass-through probes (DCP events; timed collectives when calibrating) and, if the
   spec says so, one fault (a rank that exits or freezes in a given save's local plan).
 
@@ -106,6 +108,20 @@ def adjust_for_cpu_after_movas_init() -> None:
     adapter.init_distributed_adapter = init_distributed_adapter
 
 
+def freeze_setup_objects_before_movas_training() -> None:
+    """worker.freeze_setup_objects() as MOVA's `AccelerateTrainer.train` starts (a pass-through)."""
+    from mova.engine.trainer.accelerate import accelerate_trainer
+
+    from ..worker import freeze_setup_objects
+
+    original = accelerate_trainer.AccelerateTrainer.train
+
+    def train(self):
+        freeze_setup_objects()
+        return original(self)
+    accelerate_trainer.AccelerateTrainer.train = train
+
+
 def arm_fault(fault: dict, rank: int, results_dir: str, probe) -> None:
     """The fault under test: rank `fault["rank"]` exits (or freezes, SIGSTOP) in the local plan
     of the `call`-th DCP save whose directory is `save` (from the probe's DCP events).
@@ -143,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled_default_timeout(spec.deadline_s, spec.training_timeout_s)
     import_movas_dataset_module()
     adjust_for_cpu_after_movas_init()
+    freeze_setup_objects_before_movas_training()
     from . import pipeline  # noqa: F401 - registers TinyMOVATrain and TinyVideoAudioDataset in MOVA's registries
 
     probe = SaveProbe(rank).install(time_collectives=spec.time_collectives)
@@ -158,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         report.write(status="failed", error_type=type(error).__name__, error=str(error).strip()[-4000:],
                      error_time_s=time.time(), frames=frames_of(error.__traceback__), losses=_losses())
         raise
-    report.write(status="ok", losses=_losses())
+    report.write(status="ok", losses=_losses(), rng_digests=_rng_digests())
     return 0
 
 
@@ -166,6 +183,12 @@ def _losses() -> list[float]:
     from .pipeline import TinyMOVATrain
 
     return list(TinyMOVATrain.last_losses)
+
+
+def _rng_digests() -> list[int]:
+    from .pipeline import TinyMOVATrain
+
+    return list(TinyMOVATrain.rng_digests)
 
 
 if __name__ == "__main__":
