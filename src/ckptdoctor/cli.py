@@ -85,6 +85,8 @@ def cmd_simulate(args) -> int:
         for layout in layouts:
             layout.check(n)
     stacks = ["user", "newest"] if args.stack == "both" else [args.stack]
+    if args.op == "load":
+        return _simulate_load(args, layouts, stacks)
     planners = ("stock", "ours") if args.planner == "both" else (args.planner,)
     opts = ScalingOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks,
                           planners=planners, max_measured=args.max_measured)
@@ -97,6 +99,19 @@ def cmd_simulate(args) -> int:
     if args.plot:
         plot(records, args.plot)
         print(f"plot: {args.plot}")
+    return 0
+
+
+def _simulate_load(args, layouts, stacks) -> int:
+    from .simulate.load_scaling import LoadOptions, build_records, format_table, measure_all
+
+    opts = LoadOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks)
+    print(f"simulating MOVA ({args.mode}) loads at N={','.join(map(str, opts.ranks))}, layouts "
+          f"{','.join(map(str, layouts))}, stacks {','.join(stacks)} (stock .metadata materialised up to "
+          f"{opts.stock_chunk_budget:,} chunks)", flush=True)
+    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True)))
+    print(format_table(records))
+    _write_json(args.json, records)
     return 0
 
 
@@ -166,10 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     repro.set_defaults(func=cmd_repro)
 
     sim = sub.add_parser(
-        "simulate", help="rank 0's share of the save at N ranks, on torch's own planner code",
-        description="Builds every rank's local save plan for MOVA's real shapes with torch's DefaultSavePlanner "
-                    "(meta DTensors, fake process group, derived by symmetry from rank 0), then times rank 0's "
-                    "work as dcp.save does it. Large N are extrapolated from measured points and labelled so.")
+        "simulate", help="a save (or, --op load, a resume) at N ranks, on torch's own code",
+        description="--op save (default): builds every rank's local save plan for MOVA's real shapes with torch's "
+                    "DefaultSavePlanner (meta DTensors, fake process group, derived by symmetry from rank 0), then "
+                    "times rank 0's work as dcp.save does it. --op load: writes the checkpoint such a save writes "
+                    "(stock's .metadata and ckptdoctor's index), then times every rank's metadata read and read plan "
+                    "and rank 0's plan exchange, with the memory they hold. Whatever does not fit in memory or time "
+                    "is extrapolated from measured points, and labelled so.")
+    sim.add_argument("--op", choices=("save", "load"), default="save", help="simulate the save (default) or the load")
     sim.add_argument("--ranks", type=_int_list, default=[8, 64, 256, 1144, 2816], help="comma-separated N values")
     sim.add_argument("--layout", default="fsdp,hsdp:8", help="fsdp and/or hsdp:S, comma-separated (default both)")
     sim.add_argument("--mode", choices=("sft", "lora"), default="sft")

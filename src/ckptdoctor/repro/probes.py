@@ -50,7 +50,7 @@ class SaveProbe(logging.Handler):
         self.rank = rank
         self.events: list[StepEvent] = []
         self.calls: list[CollectiveCall] = []
-        self.plans: list[dict] = []  # {"save": ..., "items": plan_signature(...)} per local plan
+        self.plans: list[dict] = []  # {"save"|"load": dir name, "items": signature} per save plan / read plan
         self._originals: dict[tuple[object, str], object] = {}
         self._rounds: dict[str, int] = {}  # how many saves of each checkpoint name this rank began
 
@@ -114,6 +114,24 @@ class SaveProbe(logging.Handler):
             return plan
 
         DefaultSavePlanner.create_local_plan = create_local_plan
+        self._record_read_plans()
+
+    def _record_read_plans(self) -> None:
+        """The read plan every rank executes, at FileSystemReader.read_data (stock's reader and ours)."""
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from ..simulate.load import read_plan_signature
+
+        original = self._originals[(FileSystemReader, "read_data")] = FileSystemReader.read_data
+        probe = self
+
+        @functools.wraps(original)
+        def read_data(reader, plan, planner):
+            probe.plans.append({"load": os.path.basename(os.path.normpath(str(reader.path))),
+                                "items": read_plan_signature(plan)})
+            return original(reader, plan, planner)
+
+        FileSystemReader.read_data = read_data
 
     def uninstall(self) -> None:
         dcp_logger().removeHandler(self)

@@ -305,14 +305,10 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
     baseline = _rss_bytes()
     blobs = [pickle.dumps(plan) for plan in rank_plans(save, specs, ranks, layout, planner, progress)]
     timer = _Timer()
-    gc.disable()  # the collector's pauses would be measured as planning; torch runs with it on
-    try:
-        for _ in range(repeats):
-            run = _coordinator_phases_stock(timer, blobs, validation_sample)
-            file_bytes = _finish_phases(timer, run.metadata, run.results)
-            timer.end_repeat()
-    finally:
-        gc.enable()
+    for _ in range(repeats):  # the garbage collector on, as torch runs
+        run = _coordinator_phases_stock(timer, blobs, validation_sample)
+        file_bytes = _finish_phases(timer, run.metadata, run.results)
+        timer.end_repeat()
     # gather_object and scatter_object_list pad every rank's payload to the largest one
     results = ranks * max(map(len, run.results))
     return CoordinatorMeasurement(
@@ -349,15 +345,11 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
             raise AssertionError(f"the simulated writes do not cover the metadata: {problems[:3]}")
 
     timer = _Timer()
-    gc.disable()
-    try:
-        for _ in range(repeats):
-            written = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in blobs])
-            timer("finish: coverage check", check, written)
-            timer("finish: metadata", write_metadata, written)
-            timer.end_repeat()
-    finally:
-        gc.enable()
+    for _ in range(repeats):  # the garbage collector on, as torch runs
+        written = timer("finish: unpickle write results", lambda: [pickle.loads(b) for b in blobs])
+        timer("finish: coverage check", check, written)
+        timer("finish: metadata", write_metadata, written)
+        timer.end_repeat()
     timer.phase_s["finish: columns (every rank)"] = columns_s
     metadata.__dict__["_written"] = True  # as ScalableFileSystemWriter.finish leaves it
     padded = ranks * max(map(len, blobs))  # gather_object pads every payload to the largest
@@ -415,20 +407,16 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     local_s = time.process_time() - start
     blobs = [pickle.dumps(p) for p in every_rank_handshake(plan0, ranks)]
     timer = _Timer()
-    gc.disable()
-    try:
-        for repeat in range(repeats):
-            if repeat:  # a fresh planner: no chunk lists built yet, as in a first save
-                planner, _ = scalable_local_plan(state_dict)
-            all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
-            clear_chunk_caches()  # as a first save's rank 0 builds them (partly in its local step: conservative)
-            global_plan, metadata = timer("global plan", planner.create_global_plan, all_plans)
-            global_plan = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan,
-                                global_plan)
-            scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
-            timer.end_repeat()
-    finally:
-        gc.enable()
+    for repeat in range(repeats):
+        if repeat:  # a fresh planner: no chunk lists built yet, as in a first save
+            planner, _ = scalable_local_plan(state_dict)
+        all_plans = timer("unpickle plans", lambda: [pickle.loads(b) for b in blobs])
+        clear_chunk_caches()  # as a first save's rank 0 builds them (partly in its local step: conservative)
+        global_plan, metadata = timer("global plan", planner.create_global_plan, all_plans)
+        global_plan = timer("storage global step", FileSystemWriter("/nonexistent-ckptdoctor").prepare_global_plan,
+                            global_plan)
+        scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
+        timer.end_repeat()
     timer.phase_s["local plan (every rank)"] = local_s
     chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
     return {"ranks": ranks, "items_gathered": sum(len(p.items) for p in all_plans), "chunks": chunks,
