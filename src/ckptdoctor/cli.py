@@ -118,10 +118,10 @@ def _simulate_load(args, layouts, stacks) -> int:
 def cmd_diagnose(args) -> int:
     from .diagnose import diagnose, format_report
 
-    report = diagnose(args.logs, ranks_per_node=args.ranks_per_node)
-    print(format_report(report))
-    _write_json(args.json, report)
-    return 0 if report["known"] else 1
+    verdict = diagnose(args.logs, ranks_per_node=args.ranks_per_node)
+    print(format_report(verdict))
+    _write_json(args.json, verdict.to_dict())
+    return 0 if verdict.known else 1
 
 
 def cmd_check(args) -> int:
@@ -217,11 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     diag = sub.add_parser(
         "diagnose", help="explain a failed save/load from torchrun or Accelerate logs",
-        description="Streams the logs (plain or gzip, any size; [rankN]: prefixes interleaved, multi-line or "
-                    "collapsed onto one line) and reports the failing operation, phase and wait, who reported it, "
-                    "whom they waited for, the timeout, the versions the frames imply, and the likely causes.")
-    diag.add_argument("logs", nargs="+", metavar="LOG")
-    diag.add_argument("--ranks-per-node", type=int, default=8, help="to name nodes from ranks (default 8)")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Streams the logs (plain or gzip, any size, a directory of them; [rankN]: prefixes interleaved, "
+                    "multi-line or collapsed onto one line) and reports the error, the failing operation, phase and "
+                    "wait, who reported it, whom they waited for, the timeout, each rank's collective, the nodes and "
+                    "versions the log shows, and the likely causes. Every finding says how sure it is (certain: "
+                    "read from the log; likely: inferred by a stated rule) and the lines it rests on; what the log "
+                    "does not show is reported as unknown.",
+        epilog="exit status: 0 a failure was recognised and diagnosed; 1 no known failure pattern in the logs "
+               "(the frames found are shown); 2 bad input (a missing or unreadable file). A truncated gzip is read "
+               "up to where it breaks, and the report says so.")
+    diag.add_argument("logs", nargs="+", metavar="LOG", help="log files or directories of log files")
+    diag.add_argument("--ranks-per-node", type=int, default=None,
+                      help="name nodes as rank // N when the log has no host lines (off by default: a guess)")
     diag.add_argument("--json", metavar="PATH", help="write the machine-readable diagnosis here")
     diag.set_defaults(func=cmd_diagnose)
     return parser

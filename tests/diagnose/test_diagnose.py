@@ -1,4 +1,5 @@
-"""`ckptdoctor diagnose` on the user's report and on logs shaped like the failures it must tell apart."""
+"""`ckptdoctor diagnose` on the user's report and on logs shaped like the failures it must tell apart
+(real third-party logs: test_real_logs.py)."""
 
 import gzip
 import json
@@ -8,7 +9,8 @@ import tracemalloc
 
 import pytest
 
-from ckptdoctor.diagnose.logs import diagnose, segments
+from ckptdoctor.diagnose.logs import diagnose
+from ckptdoctor.diagnose.scan import scan
 
 SP = "/usr/local/lib/python3.11/site-packages"
 SAVE_OPTIM_28 = [
@@ -68,13 +70,15 @@ def write(tmp_path, name, lines, collapse=False, gz=False):
 
 def test_the_users_report(user_report_text, tmp_path):
     report = diagnose([write(tmp_path, "report.txt", [user_report_text])])
-    assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
-        ("save", "optimizer", "plan-scatter", "broadcast")
-    assert report["ranks"] == [1136, 1139] and report["nodes"] == [142]
-    assert report["waiting_on"] == [0]
-    assert report["timeout_ms"] == 1_800_000
+    assert (report["error"], report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
+        ("gloo-timeout", "save", "optimizer", "plan-scatter", "broadcast")
+    assert report["ranks"] == [1136, 1139]
+    assert report["nodes"] is None  # the report has no host lines: no node is named
+    assert report["waiting_on"] == [0] and report.finding("waiting_on").confidence == "likely"
+    assert report["timeout_ms"] == 1_800_000 and report.finding("timeout_ms").confidence == "certain"
     assert (report["torch"], report["accelerate"]) == ("2.8.0", "1.13.0")
     assert report["causes"][0]["cause"].startswith("rank 0 (the DCP coordinator) was still planning")
+    assert diagnose([tmp_path / "report.txt"], ranks_per_node=8)["nodes"] == {"node 142": [1136, 1139]}
 
 
 @pytest.mark.parametrize("collapse,gz", [(False, False), (True, False), (False, True)])
@@ -82,7 +86,7 @@ def test_interleaved_collapsed_or_gzip_logs_read_the_same(tmp_path, collapse, gz
     blocks = [traceback_lines(r, SAVE_OPTIM_28, GLOO.format(ms=600000)) for r in (9, 10, 17)]
     path = write(tmp_path, "log", ["训练开始 step 200"] + interleave(*blocks) + ["保存失败"], collapse, gz)
     report = diagnose([path])
-    assert report["ranks"] == [9, 10, 17] and report["nodes"] == [1, 2]
+    assert report["ranks"] == [9, 10, 17] and report["nodes"] is None
     assert (report["target"], report["phase"], report["timeout_ms"]) == ("optimizer", "plan-scatter", 600000)
 
 
@@ -101,7 +105,7 @@ def test_a_rank_that_died_closes_the_peers_connections(tmp_path):
     error = "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:2"
     log = interleave(*[traceback_lines(r, SAVE_OPTIM_28, error) for r in (1, 2)])
     report = diagnose([write(tmp_path, "log", log)])
-    assert report["error_kind"] == "peer-closed" and report["ranks"] == [1, 2]
+    assert report["error"] == "peer-closed" and report["ranks"] == [1, 2]
     assert report["causes"][0]["cause"].startswith("another rank died")
 
 
@@ -109,25 +113,40 @@ def test_nccl_or_hccl_watchdog(tmp_path):
     line = ("[rank5]:[E1203 10:00:00 ProcessGroupNCCL.cpp:632] [Rank 5] Watchdog caught collective operation timeout: "
             "WorkNCCL(SeqNum=88, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
     report = diagnose([write(tmp_path, "log", [line])])
-    assert report["error_kind"] == "collective-watchdog" and report["timeout_ms"] == 600000 and report["ranks"] == [5]
+    assert report["error"] == "collective-watchdog" and report["timeout_ms"] == 600000 and report["ranks"] == [5]
+    assert report["collectives"] == {"5": (88, "ALLREDUCE")} and report["waiting_on"] is None
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "log")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.startswith("failure: collective-watchdog")  # the text agrees
 
 
-def test_oom_kill(tmp_path):
-    lines = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
-             "[rank0]: Root Cause (first observed failure):", "[rank0]:   exitcode  : -9 (pid: 4242)",
-             "[rank0]:   error_file: <N/A>", "[rank0]:   traceback : Signal 9 (SIGKILL) received by PID 4242"]
+def test_a_kill_is_a_kill_and_oom_only_when_the_log_says_so(tmp_path):
+    lines = ["torch.distributed.elastic.multiprocessing.errors.ChildFailedError:", "Root Cause (first observed failure):",
+             "  rank      : 0 (local_rank: 0)", "  exitcode  : -9 (pid: 4242)", "  error_file: <N/A>",
+             "  traceback : Signal 9 (SIGKILL) received by PID 4242"]
     report = diagnose([write(tmp_path, "log", lines)])
-    assert report["error_kind"] == "oom" and report["ranks"] == [0]
+    assert report["error"] == "killed" and report["ranks"] == [0] and report["exitcodes"] == [-9]
+    assert [(c["id"], c["confidence"]) for c in report["causes"]] == [("killed", "likely")]
+    oom = diagnose([write(tmp_path, "oom", ["[rank3]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate"])])
+    assert oom["error"] == "out-of-memory" and oom["ranks"] == [3] and oom["causes"][0]["confidence"] == "certain"
+
+
+def test_a_log_without_an_error_claims_nothing(tmp_path):
+    report = diagnose([write(tmp_path, "log", ["[rank0]: step 1 loss 2.3", "[rank1]: step 1 loss 2.4"])])
+    assert report["known"] is False and report["causes"] == []
+    assert all(report[name] is None for name in ("error", "ranks", "waiting_on", "timeout_ms", "nodes", "torch"))
 
 
 def test_an_unknown_pattern_says_so_and_shows_its_frames(tmp_path):
-    lines = traceback_lines(2, SAVE_OPTIM_28[:3], "ValueError: something else entirely")
+    lines = traceback_lines(2, SAVE_OPTIM_28[:3], "still running")[:-1]  # frames, no error line
     report = diagnose([write(tmp_path, "log", lines)])
-    assert report["known"] is False
+    assert report["known"] is False and report["error"] is None
     assert [f.split(" in ")[-1] for f in report["frames"]] == ["<module>", "main", "save_state"]
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "log")],
                           capture_output=True, text=True)
     assert proc.returncode == 1 and "unknown failure pattern" in proc.stdout and "save_state" in proc.stdout
+    other = diagnose([write(tmp_path, "other", traceback_lines(2, SAVE_OPTIM_28[:3], "ValueError: something else"))])
+    assert (other["error"], other["ranks"], [c["id"] for c in other["causes"]]) == ("python-exception", [2], ["exception"])
 
 
 def test_a_large_gzip_log_is_streamed(tmp_path):
@@ -145,8 +164,32 @@ def test_a_large_gzip_log_is_streamed(tmp_path):
     assert peak < 20_000_000, f"diagnose held {peak} bytes: it must stream"
 
 
-def test_segments_split_at_every_rank_marker():
-    assert list(segments(["pre [rank1]: a [rank22]: b\n"])) == [(None, "pre "), (1, " a "), (22, " b\n")]
+def test_a_collapsed_line_is_attributed_rank_by_rank(tmp_path):
+    line = "pre [rank1]: RuntimeError: boom one [rank22]: ValueError: boom two"
+    evidence = scan([write(tmp_path, "log", [line])])
+    assert [(s.rank, s.data["exc"]) for s in evidence.of("exception")] == [(1, "RuntimeError"), (22, "ValueError")]
+
+
+def test_a_truncated_gzip_is_read_up_to_the_break_and_said(tmp_path, user_report_text):
+    path = tmp_path / "log.gz"
+    noise = "".join(f"[rank0]: step {i} loss {(i * 7919) % 10007 / 10007:.6f}\n" for i in range(50_000))
+    with gzip.open(path, "wt") as f:
+        f.write(user_report_text + "\n" + noise)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # cut in the middle of the noise, after the report
+    report = diagnose([path])
+    assert report["error"] == "gloo-timeout" and report["ranks"] == [1136, 1139]
+    assert len(report.truncated) == 1 and str(path) in report.truncated[0]
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "truncated input" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_a_directory_of_logs_is_read_file_by_file(tmp_path, user_report_text):
+    (tmp_path / "run" / "attempt_0").mkdir(parents=True)
+    write(tmp_path / "run" / "attempt_0", "0.log", [user_report_text])
+    write(tmp_path / "run", "notes.log", ["nothing here"])
+    report = diagnose([tmp_path / "run"])
+    assert report["error"] == "gloo-timeout" and len(report.files) == 2
 
 
 def test_cli_json_and_missing_file(tmp_path, user_report_text):
@@ -156,8 +199,10 @@ def test_cli_json_and_missing_file(tmp_path, user_report_text):
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
-    assert {"operation", "target", "phase", "waiting_call", "ranks", "waiting_on", "timeout_ms", "torch",
-            "accelerate", "causes"} <= set(data)
+    assert {"error", "operation", "target", "phase", "waiting_call", "ranks", "waiting_on", "timeout_ms", "torch",
+            "accelerate", "causes", "known"} <= set(data)
+    assert data["waiting_on"] == {"value": [0], "confidence": "likely", "evidence": data["waiting_on"]["evidence"]}
+    assert data["error"]["value"] == "gloo-timeout" and data["known"] is True
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "nope.log")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no such log file" in proc.stderr and "Traceback" not in proc.stderr

@@ -213,7 +213,7 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
     from ckptdoctor.diagnose.logs import diagnose
 
     diagnosis = diagnose([tmp_path / "train.log"])  # the fault test's own log, read by the diagnoser
-    assert diagnosis["error_kind"] == "peer-closed" and set(diagnosis["ranks"]) <= {0, 1, 3}
+    assert diagnosis["error"] == "peer-closed" and set(diagnosis["ranks"]) <= {0, 1, 3}
     assert diagnosis["causes"][0]["cause"].startswith("another rank died")
     root = tmp_path / "checkpoints"
     assert find_latest(root, "accelerator") == root / "step-1" / "accelerator"

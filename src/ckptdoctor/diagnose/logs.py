@@ -1,39 +1,22 @@
-"""`ckptdoctor diagnose`: explain a failed checkpoint from torchrun / Accelerate logs.
+"""`ckptdoctor diagnose`: explain a failed save or load from torchrun / Accelerate logs.
 
-Logs are streamed (plain or gzip, any size): each physical line is split at `[rankN]:`
-markers, so tracebacks collapsed onto one line (as in the user's report) and interleaved
-ranks read the same as clean multi-line logs. Per rank only the last traceback's frames and
-the error lines are kept. The frames are classified by callpath.py (which save or load,
-which phase, which wait); the causes are ranked from what the logs show.
+scan.py reads the logs (streamed, bounded memory); this module turns what it kept into one
+`Verdict` (verdict.py): the error, the operation and phase from the frames (callpath.py), who
+reported it, whom they waited for, the timeout, each rank's collective, the nodes and versions the
+log shows, and the causes those findings support, each with its confidence and its evidence. What
+the log does not show stays unknown.
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import gzip
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import CkptDoctorError
 from ..ranks import format_ranks
 from . import callpath
-
-RANK_MARK = re.compile(r"\[rank(\d+)\]:")
-FRAME = re.compile(r'File "([^"]+)", line (\d+), in ([\w<>]+)')
-MAX_FRAMES = 200  # per rank; a checkpoint traceback has ~20
-
-# Error patterns -> kind. Order matters: the first match on a segment wins.
-ERRORS = (
-    ("gloo-timeout", callpath.GLOO_TIMEOUT),
-    ("peer-closed", re.compile(r"Connection closed by peer|Connection reset by peer|ECONNRESET", re.I)),
-    ("collective-watchdog", re.compile(r"Watchdog caught collective operation timeout|(NCCL|HCCL)[^\n]{0,80}time(d)? ?out",
-                                       re.I)),
-    ("oom", re.compile(r"out of memory|OutOfMemoryError|oom-kill|Killed process|Signal 9 \(SIGKILL\)|exitcode\s*:\s*-9",
-                       re.I)),
-)
-TIMEOUT_MS = re.compile(r"Timeout\(ms\)=(\d+)|timeout(?:_ms)?[=: ]+(\d+)\s*ms", re.I)
+from .scan import Evidence, Sighting, Traceback, scan
+from .verdict import CERTAIN, LIKELY, Cause, Finding, Verdict, render_text
 
 # Line numbers of call sites in the frames, per pinned version (from the report and our runs).
 FRAME_LINES = {
@@ -52,73 +35,207 @@ FRAME_LINES = {
     ("accelerate", "1.15.0"): {("accelerator.py", "save_state"): 3720, ("fsdp_utils.py", "save_fsdp_optimizer"): 347,
                                ("fsdp_utils.py", "save_fsdp_model"): 180, ("accelerator.py", "load_state"): 3883},
 }
+MIN_VERSION_FRAMES = 2  # a version is named only when this many frames agree with it and none disagrees
 COORDINATOR_PHASES = {"plan-scatter", "plan-gather", "finish-gather", "finish-scatter"}
+LAUNCHER_FILES = ("torch/distributed/run.py", "torch/distributed/elastic/", "torch/distributed/launcher/", "/torchrun")
 DOCS = "docs/root-cause.md"
+WATCHDOG_KINDS = ("watchdog", "watchdog_summary", "nccl_down", "hccl_timeout", "watchdog_note")
+
+# The error a log shows, by the kinds of sightings, most specific first.
+ERROR_KINDS = (
+    ("gloo-timeout", ("gloo_timeout",)),
+    ("collective-watchdog", WATCHDOG_KINDS),
+    ("checkpoint-metadata-missing", ("metadata_missing",)),
+    ("checkpoint-keys-mismatch", ("missing_key",)),
+    ("out-of-memory", ("oom",)),
+    ("killed", ("torchrun_failure", "torchrun_failed")),
+    ("peer-closed", ("peer_closed",)),
+    ("checkpoint-exception", ("checkpoint_exception",)),
+    ("python-exception", ("exception",)),
+)
 
 
-@dataclasses.dataclass
-class Frame:
-    file: str
-    line: int
-    function: str
+def diagnose(paths: Iterable[str | Path], ranks_per_node: int | None = None) -> Verdict:
+    return judge(scan(paths), ranks_per_node)
 
 
-@dataclasses.dataclass
-class RankLog:
-    rank: int
-    frames: list[Frame] = dataclasses.field(default_factory=list)
-    errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (kind, text)
+def format_report(verdict: Verdict) -> str:
+    return render_text(verdict)
 
 
-# -- reading -----------------------------------------------------------------------------
-
-def open_log(path: str | Path) -> Iterator[str]:
-    """Lines of a plain or gzip log, decoded leniently, streamed."""
-    path = Path(path)
-    if not path.is_file():
-        raise CkptDoctorError(f"no such log file: {path}")
-    with open(path, "rb") as raw:
-        gz = raw.read(2) == b"\x1f\x8b"
-    opener = gzip.open if gz else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        yield from f
-
-
-def segments(lines: Iterable[str]) -> Iterator[tuple[int | None, str]]:
-    """(rank or None, text) pieces: a line split at every `[rankN]:` marker."""
-    for line in lines:
-        marks = list(RANK_MARK.finditer(line))
-        if not marks:
-            yield None, line
-            continue
-        if marks[0].start() > 0:
-            yield None, line[:marks[0].start()]
-        for mark, after in zip(marks, marks[1:] + [None]):
-            yield int(mark.group(1)), line[mark.end():after.start() if after else len(line)]
-
-
-def read_logs(paths: Iterable[str | Path]) -> dict[int | None, RankLog]:
-    ranks: dict[int | None, RankLog] = {}
-    for path in paths:
-        for rank, text in segments(open_log(path)):
-            log = ranks.setdefault(rank, RankLog(-1 if rank is None else rank))
-            if "Traceback (most recent call last)" in text:
-                log.frames = []
-            for match in FRAME.finditer(text):
-                if len(log.frames) < MAX_FRAMES:
-                    log.frames.append(Frame(match.group(1), int(match.group(2)), match.group(3)))
-            for kind, pattern in ERRORS:
-                found = pattern.search(text)
-                if found and len(log.errors) < 20:
-                    log.errors.append((kind, text[max(0, found.start() - 200):found.end() + 300].strip()))
-                    break
-    return ranks
+def judge(evidence: Evidence, ranks_per_node: int | None = None) -> Verdict:
+    kind, sightings = error_of(evidence)
+    tb = main_traceback(evidence, {s.rank for s in sightings})
+    frames = list(tb.frames) if tb else []
+    point = callpath.locate([f.function for f in frames])
+    operation = Finding.of(point.operation or operation_from_files(frames), CERTAIN, *_frame_lines(frames, 2))
+    if operation.value is None:
+        progress = evidence.of("save_progress")
+        operation = Finding.of(_operation_of_progress(progress), LIKELY, *(s.text for s in progress[:1]))
+    ranks = sorted({s.rank for s in sightings if s.rank is not None} | _failed_ranks(sightings, kind, tb))
+    findings = {
+        "error": Finding.of(kind, CERTAIN, *(s.text for s in sightings[:2])),
+        "operation": operation,
+        "target": Finding.of(point.target, CERTAIN, *_frame_lines(frames, 1)),
+        "phase": Finding.of(point.phase or ("plan-local" if "local_step" in [f.function for f in frames] else None),
+                            CERTAIN, *_frame_lines(frames, 1)),
+        "waiting_call": Finding.of(point.waiting_call, CERTAIN, *_frame_lines(frames[-1:], 1)),
+        "ranks": Finding.of(ranks, CERTAIN, *(s.text for s in sightings[:2])),
+        "local_ranks": _local_ranks(evidence),
+        "exitcodes": _exitcodes(evidence),
+        "timeout_ms": _timeout(sightings),
+        "collectives": _collectives(evidence),
+        "nodes": _nodes(evidence, ranks, ranks_per_node),
+        "frames": Finding.of([f"{f.file}:{f.line} in {f.function}" for f in frames], CERTAIN),
+    }
+    findings["desync"] = _desync(findings["collectives"])
+    findings["waiting_on"] = _waiting_on(kind, point.phase, ranks, sightings)
+    versions = implied_versions(frames)
+    for package in ("torch", "accelerate"):
+        version, hits = versions[package]
+        findings[package] = Finding.of(version, LIKELY, f"{hits} frame line numbers match {package} {version}")
+    verdict = Verdict(findings, [], evidence.files, evidence.truncated)
+    verdict.causes = rank_causes(verdict, evidence)
+    return verdict
 
 
-# -- analysis ----------------------------------------------------------------------------
+def error_of(evidence: Evidence) -> tuple[str | None, list[Sighting]]:
+    for kind, sighting_kinds in ERROR_KINDS:
+        found = [s for s in evidence.of(*sighting_kinds) if _counts_as(kind, s)]
+        if found:
+            return kind, found
+    exceptions = [s for s in evidence.of("exception") if s.data.get("exc", "").endswith("CheckpointException")]
+    if exceptions:
+        return "checkpoint-exception", exceptions
+    dumps = [Sighting("stack_dump", t.printed_by, f"{t.frames[-1].file}:{t.frames[-1].line} in {t.frames[-1].function}",
+                      {}) for t in evidence.tracebacks if t.faulthandler]
+    return ("stack-dump", dumps) if dumps else (None, [])
 
-def implied_versions(frames: list[Frame]) -> dict[str, str | None]:
-    """The pinned version each package's frame line numbers agree with (None: unknown)."""
+
+def _counts_as(kind: str, s: Sighting) -> bool:
+    if kind == "killed":  # a kill, not any failure torchrun reports
+        return str(s.data.get("tr_exit", s.data.get("exitcode"))) == "-9" or s.data.get("signal") == "SIGKILL"
+    if kind == "python-exception":
+        return not s.data.get("exc", "").endswith(("ChildFailedError", "CheckpointException"))
+    return True
+
+
+def main_traceback(evidence: Evidence, ranks: set) -> Traceback | None:
+    """The traceback of a failing rank (the longest, launcher's own excluded)."""
+    own = [t for t in evidence.tracebacks if not all(any(m in f.file for m in LAUNCHER_FILES) for f in t.frames)]
+    preferred = [t for t in own if t.rank in ranks or t.printed_by in ranks] or own
+    return max(preferred, key=lambda t: (not t.faulthandler or _in_collective(t), len(t.frames)), default=None)
+
+
+def _in_collective(tb: Traceback) -> bool:
+    return callpath.locate([f.function for f in tb.frames]).waiting_call is not None
+
+
+def operation_from_files(frames) -> str | None:
+    files = " ".join(f.file for f in frames)
+    return "load" if "state_dict_loader.py" in files else "save" if "state_dict_saver.py" in files else None
+
+
+def _operation_of_progress(progress: list[Sighting]) -> str | None:
+    if not progress:
+        return None
+    return "load" if progress[-1].text.startswith("Loading") else "save"
+
+
+def _frame_lines(frames, n: int) -> list[str]:
+    return [f"{f.file}:{f.line} in {f.function}" for f in frames[-n:]]
+
+
+def _failed_ranks(sightings, kind, tb) -> set:
+    """Ranks a DCP exception names as failed, and the rank whose traceback it is."""
+    out = set()
+    for s in sightings:
+        if s.data.get("ce_ranks"):
+            out |= {int(r) for r in s.data["ce_ranks"].replace(" ", "").split(",") if r}
+        text = s.data.get("exc_text", "")
+        match = re.search(r"ranks:dict_keys\(\[([\d, ]*)\]\)", text)
+        if match:
+            out |= {int(r) for r in match.group(1).replace(" ", "").split(",") if r}
+    if tb is not None and kind in (None, "checkpoint-exception", "checkpoint-metadata-missing",
+                                   "checkpoint-keys-mismatch", "python-exception"):
+        out |= {r for r in (tb.rank, tb.printed_by) if r is not None}
+    return out
+
+
+def _local_ranks(evidence: Evidence) -> Finding:
+    rows = [s for s in evidence.of("torchrun_failed", "torchrun_failure")]
+    local = sorted({int(s.data.get("tr_local", s.data.get("local_rank", -1))) for s in rows} - {-1})
+    return Finding.of(local, CERTAIN, *(s.text for s in rows[:2]))
+
+
+def _exitcodes(evidence: Evidence) -> Finding:
+    rows = evidence.of("torchrun_failed", "torchrun_failure")
+    codes = sorted({int(s.data.get("tr_exit", s.data.get("exitcode"))) for s in rows})
+    return Finding.of(codes, CERTAIN, *(s.text for s in rows[:2]))
+
+
+def _timeout(sightings) -> Finding:
+    for s in sightings:
+        for key in ("gloo_ms", "wd_ms"):
+            if key in s.data:
+                return Finding.of(int(s.data[key]), CERTAIN, s.text)
+    return Finding()
+
+
+def _collectives(evidence: Evidence) -> Finding:
+    """Per rank, the first collective the watchdog caught: (SeqNum, OpType)."""
+    per_rank: dict[str, tuple[int, str]] = {}
+    lines = []
+    for s in evidence.of("watchdog"):
+        rank = str(s.rank if s.rank is not None else s.data.get("wd_rank"))
+        seq = (int(s.data["seq"]), s.data["op"])
+        if rank not in per_rank or seq[0] < per_rank[rank][0]:
+            per_rank[rank] = seq
+            lines.append(s.text)
+    return Finding.of(per_rank, CERTAIN, *lines[:3])
+
+
+def _desync(collectives: Finding) -> Finding:
+    """Ranks whose watchdogs caught different collectives are out of step: likely, since the log
+    lines do not always say which process group each collective belongs to."""
+    if not collectives.value or len(collectives.value) < 2:
+        return Finding()
+    distinct = set(collectives.value.values())
+    evidence = [f"rank {r}: SeqNum {seq} {op}" for r, (seq, op) in sorted(collectives.value.items(),
+                                                                           key=lambda x: int(x[0]))]
+    return Finding(len(distinct) > 1, LIKELY, evidence[:4])
+
+
+def _nodes(evidence: Evidence, ranks: list[int], ranks_per_node: int | None) -> Finding:
+    """Hosts from the log's own host lines; by arithmetic only when asked (--ranks-per-node)."""
+    hosts: dict[str, list[int]] = {}
+    lines = []
+    for s in evidence.of("torchrun_failure"):
+        if s.data.get("host") and s.data.get("rank") is not None:
+            hosts.setdefault(s.data["host"], []).append(int(s.data["rank"]))
+            lines.append(f"host {s.data['host']}: rank {s.data['rank']}")
+    if hosts:
+        return Finding.of({h: sorted(set(r)) for h, r in hosts.items()}, CERTAIN, *lines)
+    if ranks_per_node and ranks:
+        computed: dict[str, list[int]] = {}
+        for r in ranks:
+            computed.setdefault(f"node {r // ranks_per_node}", []).append(r)
+        return Finding(computed, LIKELY, [f"computed as rank // {ranks_per_node} (--ranks-per-node): the log names "
+                                          f"no hosts"])
+    return Finding()
+
+
+def _waiting_on(kind, phase, ranks, sightings) -> Finding:
+    """Rank 0 is awaited when ranks time out in a phase where every rank waits for DCP's coordinator."""
+    if kind not in ("gloo-timeout", "collective-watchdog") or phase not in COORDINATOR_PHASES or 0 in ranks:
+        return Finding()
+    return Finding([0], LIKELY, [f"{len(ranks)} rank(s) timed out in {phase}, where every rank waits for the "
+                                f"coordinator (rank 0), which did not report the timeout"])
+
+
+def implied_versions(frames) -> dict[str, tuple[str | None, int]]:
+    """Per package, the pinned version that at least MIN_VERSION_FRAMES frames match exactly and no
+    frame contradicts, and how many frames matched."""
     out = {}
     for package in ("torch", "accelerate"):
         best, best_hits = None, 0
@@ -130,118 +247,91 @@ def implied_versions(frames: list[Frame]) -> dict[str, str | None]:
                 for (suffix, function), line in table.items():
                     if f.function == function and f.file.replace("\\", "/").endswith(suffix) and f"/{package}/" in f.file:
                         hits, conflicts = hits + (f.line == line), conflicts + (f.line != line)
-            if conflicts == 0 and hits > best_hits:
+            if conflicts == 0 and hits >= MIN_VERSION_FRAMES and hits > best_hits:
                 best, best_hits = version, hits
-        out[package] = best
+        out[package] = (best, best_hits)
     return out
 
 
-def diagnose(paths: Iterable[str | Path], ranks_per_node: int = 8) -> dict:
-    ranks = read_logs(paths)
-    failing = {r: log for r, log in ranks.items() if log.errors}
-    kinds = collections.Counter(kind for log in failing.values() for kind, _ in log.errors[:1])
-    kind = kinds.most_common(1)[0][0] if kinds else None
-    reporters = sorted(r for r, log in failing.items() if r is not None and log.errors[0][0] == kind)
-    with_frames = [log for r, log in ranks.items() if log.frames and (r in reporters or not reporters)]
-    frames = max(with_frames, key=lambda log: len(log.frames)).frames if with_frames else []
-    point = callpath.locate([f.function for f in frames])
-    error_text = next((log.errors[0][1] for r, log in failing.items() if log.errors[0][0] == kind), None)
-    timeout_ms = _timeout_ms(error_text)
-    versions = implied_versions(frames)
-    waiting_on = [0] if point.phase in COORDINATOR_PHASES and 0 not in reporters else []
-    report = {
-        "operation": point.operation, "target": point.target, "phase": point.phase,
-        "waiting_call": point.waiting_call, "error_kind": kind, "error": error_text,
-        "ranks": reporters, "nodes": sorted({r // ranks_per_node for r in reporters}),
-        "waiting_on": waiting_on, "timeout_ms": timeout_ms,
-        "torch": versions["torch"], "accelerate": versions["accelerate"],
-        "frames": [f"{f.file}:{f.line} in {f.function}" for f in frames],
-        "rank0_reported": 0 in failing, "known": bool(kind and (point.operation or kind in ("oom", "peer-closed"))),
-    }
-    report["causes"] = rank_causes(report, ranks)
-    return report
+# -- causes ------------------------------------------------------------------------------------
 
-
-def _timeout_ms(text: str | None) -> int | None:
-    if not text:
-        return None
-    gloo = callpath.gloo_timeout_ms(text)
-    if gloo is not None:
-        return gloo
-    match = TIMEOUT_MS.search(text)
-    return int(next(g for g in match.groups() if g)) if match else None
-
-
-def rank_causes(report: dict, ranks: dict) -> list[dict]:
-    """Most likely causes first, each with the evidence for it."""
+def rank_causes(verdict: Verdict, evidence: Evidence) -> list[Cause]:
+    f = verdict.findings
+    kind, phase, ranks = f["error"].value, f["phase"].value, f["ranks"].value or []
     causes = []
-    kind, phase = report["error_kind"], report["phase"]
+    if f["desync"].value:
+        causes.append(Cause("collective-desync", "the ranks are in different collectives: one of them took another "
+                            "code path (a save, an evaluation or a rank-local branch on some ranks only)", LIKELY,
+                            f["desync"].evidence, "compare the ranks' stacks (py-spy dump) or the NCCL flight recorder "
+                            "(TORCH_NCCL_TRACE_BUFFER_SIZE) to find the rank that diverged, and what it called"))
     if kind == "gloo-timeout" and phase in COORDINATOR_PHASES:
-        evidence = [f"{len(report['ranks'])} rank(s) timed out in {phase} ({report['waiting_call']}), where every "
-                    f"rank waits for the coordinator, rank 0"]
-        if report["timeout_ms"] == 1_800_000:
-            evidence.append("the timeout is gloo's default 30 minutes: the group was created without timeout=")
-        world = max(report["ranks"], default=0) + 1
-        if world >= 256:
-            evidence.append(f"the job has at least {world} ranks: rank 0's planning work grows with N "
-                            f"(measured: see {DOCS}, `ckptdoctor simulate` / `ckptdoctor check`)")
-        if report["target"] == "optimizer":
-            evidence.append("the optimizer save has ~3 items per parameter (two sharded moments and a replicated step)"
-                            ", so its plan is the largest")
-        causes.append({"cause": "rank 0 (the DCP coordinator) was still planning when the peers' deadline passed",
-                       "score": 0.8, "evidence": evidence,
-                       "action": f"use ckptdoctor's ScalableSavePlanner and a checkpoint group with a longer timeout "
-                                 f"(docs/fix-for-mova.md); check the layout with `ckptdoctor check`"})
-        dead = ["rank 0 did not report an error in these logs" if not report["rank0_reported"]
-                else "rank 0 reported an error too: see its frames"]
-        causes.append({"cause": "rank 0 died or hung (e.g. killed for memory) before answering",
-                       "score": 0.3 if not report["rank0_reported"] else 0.5, "evidence": dead,
-                       "action": "check rank 0's host for OOM kills (dmesg) and its own log lines"})
-        causes.append({"cause": "a collective mismatch: rank 0 entered a different collective",
-                       "score": 0.1, "evidence": ["no rank-0-only collective exists in Accelerate's save_state path "
-                                                  f"(checked for 1.13.0 and 1.15.0, {DOCS})"],
-                       "action": "compare rank 0's py-spy dump with a peer's during the next save"})
+        causes += _coordinator_causes(f)
     elif kind == "gloo-timeout":
-        causes.append({"cause": f"a gloo collective ({report['waiting_call']}) timed out", "score": 0.5,
-                       "evidence": [report["error"] or ""], "action": "find the rank that did not arrive"})
+        causes.append(Cause("collective-timeout", f"a gloo collective ({f['waiting_call'].value or 'unknown'}) timed "
+                            f"out: a rank did not arrive", CERTAIN, f["error"].evidence,
+                            "find the rank that did not arrive (its own log lines, or a py-spy dump during the hang)"))
+    elif kind == "collective-watchdog" and not f["desync"].value:
+        seqs = sorted({seq for seq, _ in (f["collectives"].value or {}).values()})
+        what = f" (SeqNum {seqs[0]})" if len(seqs) == 1 else ""
+        causes.append(Cause("rank-did-not-arrive", f"the reporting ranks waited in the same collective{what} for a "
+                            f"rank that did not arrive: stuck, slow, dead, or elsewhere", LIKELY, f["error"].evidence,
+                            "the ranks missing from the reports are the suspects: look at their own logs and stacks"))
+        if f["operation"].value == "save":
+            causes.append(Cause("save-on-some-ranks", "during a save: the save may have run on some ranks only, or "
+                                "outlasted the collective timeout on others", LIKELY, f["operation"].evidence,
+                                "call save_state on every rank; run saves on a group whose timeout covers them"))
+    elif kind == "checkpoint-metadata-missing":
+        causes.append(Cause("checkpoint-incomplete", "the checkpoint's .metadata could not be read on the failing "
+                            "rank(s): the save that wrote it did not finish, or this host does not see the directory "
+                            "rank 0 wrote (not a shared filesystem)", CERTAIN, f["error"].evidence,
+                            "check that <checkpoint>/.metadata exists as every rank sees it; load only checkpoints "
+                            "whose save completed"))
+    elif kind == "checkpoint-keys-mismatch":
+        causes.append(Cause("keys-mismatch", "the state dict being loaded holds keys the checkpoint does not", CERTAIN,
+                            f["error"].evidence, "load into the model the checkpoint was saved from (same wrapping, "
+                            "same LoRA/adapter setup), or load with allow_partial_load"))
+    elif kind == "out-of-memory":
+        causes.append(Cause("out-of-memory", "a process ran out of memory", CERTAIN, f["error"].evidence,
+                            "see which rank and where; rank 0 holds every rank's plan in a DCP save or load"))
+    elif kind == "killed":
+        causes.append(Cause("killed", "a process was killed with SIGKILL (exit -9): the kernel's OOM killer sends it "
+                            "when the host runs out of memory, a scheduler or a person can too", LIKELY,
+                            f["exitcodes"].evidence, "check the host's kernel log (dmesg) for an OOM kill at that time"))
     elif kind == "peer-closed":
-        causes.append({"cause": "another rank died: its gloo connection closed", "score": 0.8,
-                       "evidence": [f"ranks {format_ranks(report['ranks'])} saw their peer close the connection"],
-                       "action": "find the first rank that exited (its own error, or an OOM kill on its host)"})
-    elif kind == "collective-watchdog":
-        causes.append({"cause": "an NCCL/HCCL collective timed out (the device group, not the gloo plan exchange)",
-                       "score": 0.7, "evidence": [report["error"] or ""],
-                       "action": "ranks diverged around the save: one rank in a device collective, others not"})
-    elif kind == "oom":
-        causes.append({"cause": "a process was killed for memory", "score": 0.8, "evidence": [report["error"] or ""],
-                       "action": f"rank 0 gathers every rank's plan: its memory grows with N ({DOCS})"})
+        killed = [s for s in evidence.of("torchrun_failure", "torchrun_failed") if _counts_as("killed", s)]
+        who = f" (rank {killed[0].data.get('rank', '?')} was killed)" if killed else ""
+        causes.append(Cause("peer-died", f"another rank died: its gloo connection closed{who}", LIKELY,
+                            f"ranks {format_ranks(ranks)} saw a peer close the connection" if ranks else "",
+                            "find the first rank that exited and why (its own error, or a kill on its host)"))
+    elif kind == "stack-dump":
+        where = f["waiting_call"].value
+        causes.append(Cause("hang", f"a stack dump of a hanging process (faulthandler){f': waiting in {where}' if where else ''}"
+                            f"; no error was logged", CERTAIN, f["error"].evidence,
+                            "dump every rank at the same moment (py-spy dump, or faulthandler on SIGUSR1) and find the "
+                            "rank that is not in the same call"))
+    elif kind in ("checkpoint-exception", "python-exception"):
+        causes.append(Cause("exception", "an exception on a rank ended the run", CERTAIN, f["error"].evidence,
+                            "read the failing rank's traceback above"))
     return causes
 
 
-# -- output ------------------------------------------------------------------------------
-
-def format_report(report: dict) -> str:
-    if not report["known"]:
-        lines = ["unknown failure pattern: no checkpoint timeout, closed connection, watchdog or OOM recognised"]
-        if report["frames"]:
-            lines.append("frames found (outermost first):")
-            lines += [f"  {f}" for f in report["frames"]]
-        return "\n".join(lines)
-    what = " ".join(x for x in (report["operation"], report["target"]) if x) or "unknown operation"
-    lines = [f"failure: {report['error_kind']} during the {what} "
-             f"({report['phase'] or 'phase unknown'}, waiting in {report['waiting_call'] or '?'})"]
-    if report["ranks"]:
-        lines.append(f"reported by ranks {format_ranks(report['ranks'])} on node(s) "
-                     f"{format_ranks(report['nodes'])} (8 ranks per node assumed)")
-    if report["waiting_on"]:
-        lines.append(f"waiting on: rank {format_ranks(report['waiting_on'])} (the DCP coordinator)")
-    if report["timeout_ms"] is not None:
-        lines.append(f"timeout: {report['timeout_ms']} ms")
-    lines.append(f"versions implied by the frames: torch {report['torch'] or 'unknown'}, "
-                 f"accelerate {report['accelerate'] or 'unknown'}")
-    lines.append("likely causes, most likely first:")
-    for i, cause in enumerate(report["causes"], 1):
-        lines.append(f"  {i}. {cause['cause']}")
-        lines += [f"     - {e}" for e in cause["evidence"]]
-        lines.append(f"     what to do: {cause['action']}")
-    return "\n".join(lines)
+def _coordinator_causes(f) -> list[Cause]:
+    evidence = [f"{len(f['ranks'].value or [])} rank(s) timed out in {f['phase'].value} "
+                f"({f['waiting_call'].value}), where every rank waits for the coordinator, rank 0"]
+    if f["timeout_ms"].value == 1_800_000:
+        evidence.append("the timeout is gloo's default 30 minutes: the group was created without timeout=")
+    world = max(f["ranks"].value or [0]) + 1
+    if world >= 256:
+        evidence.append(f"the job has at least {world} ranks: rank 0's planning work grows with N (measured: see "
+                        f"{DOCS}, `ckptdoctor simulate` / `ckptdoctor check`)")
+    if f["target"].value == "optimizer":
+        evidence.append("the optimizer save has ~3 items per parameter (two sharded moments and a replicated step), "
+                        "so its plan is the largest")
+    return [
+        Cause("dcp-coordinator-slow", "rank 0 (the DCP coordinator) was still planning when the peers' deadline passed",
+              LIKELY, evidence, "use ckptdoctor's ScalableSavePlanner and a checkpoint group with a longer timeout "
+                                "(docs/fix-for-mova.md); check the layout with `ckptdoctor check`"),
+        Cause("coordinator-died", "rank 0 died or hung before answering", LIKELY,
+              ["rank 0 did not report the timeout in these logs"],
+              "check rank 0's own log lines and its host (dmesg) at that time"),
+    ]
