@@ -41,6 +41,7 @@ class CollectiveCall:
     start_s: float
     end_s: float
     ok: bool
+    default_group: bool = True  # on the default group (which carries the scaled deadline), not another
 
 
 @dataclasses.dataclass

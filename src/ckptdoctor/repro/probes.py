@@ -70,15 +70,19 @@ class SaveProbe(logging.Handler):
 
     # -- timed collectives --------------------------------------------------------------
     def _timed(self, name: str, func):
+        import torch.distributed as dist
+
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
+            group = kwargs.get("group")
             start, ok = time.time(), False
             try:
                 result = func(*args, **kwargs)
                 ok = True
                 return result
             finally:
-                self.calls.append(CollectiveCall(self.rank, name, start, time.time(), ok))
+                self.calls.append(CollectiveCall(self.rank, name, start, time.time(), ok,
+                                                 default_group=group is None or group is dist.group.WORLD))
         return wrapper
 
     def install(self, time_collectives: bool = True) -> "SaveProbe":

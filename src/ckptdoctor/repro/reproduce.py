@@ -202,7 +202,7 @@ def measure(outcome: JobOutcome, world_size: int) -> Calibration:
     # The barriers an attempt meets before its first save: later ones follow a save whose
     # metadata broadcast the peers unpickle and rank 0 does not, which no attempt gets to.
     first_save = min(e.time_s for e in outcome.events if e.step == "save")
-    barriers = [c for c in outcome.calls if c.name == "barrier" and c.start_s < first_save]
+    barriers = [c for c in outcome.calls if c.name == "barrier" and c.start_s < first_save and c.default_group]
     return Calibration(waits, longest_wait(barriers, "barrier"), outcome)
 
 
@@ -339,9 +339,10 @@ def attempt_summary(number: int, report: dict) -> dict:
             "failed_rank": report["failed_rank"], "saves_completed": report["save_ok"]}
 
 
-def reproduce(opts: ReproOptions, progress=print) -> dict:
-    """Calibrate (unless a deadline is given), then attempt the reproduction (or the fixed save)."""
-    trainer = trainer_for(opts, progress)
+def reproduce(opts: ReproOptions, progress=print, trainer=None) -> dict:
+    """Calibrate (unless a deadline is given), then attempt the reproduction (or the fixed save).
+    `trainer`: another trainer to run (benchmarks/mova_pr68.py passes MOVA with a PR applied)."""
+    trainer = trainer or trainer_for(opts, progress)
     costs = None
     if opts.deadline_s is None:
         progress(f"[calibration] the same job under a {REPORTED_DEADLINE_S:.0f} s deadline, saving twice, to measure "

@@ -83,6 +83,7 @@ class AccelerateTrainer:
             self.step += 1
             result.losses.append(total / self.config.gradient_accumulation_steps)
             if self.step % self.config.save_interval == 0:
+                self._align_ranks()
                 self._save_checkpoint()
                 result.saved_steps.append(self.step)
         return result
@@ -94,6 +95,13 @@ class AccelerateTrainer:
             if param.grad is not None and not hasattr(param, "placements"):
                 dist.all_reduce(param.grad, group=self.training_group)
                 param.grad /= self.accelerator.num_processes
+
+    def _align_ranks(self) -> None:
+        """The ranks meet on the training group before the save: how far apart they finish the
+        optimizer step on shared cores is training, not the deadline's (mova/rank.py,
+        align_ranks_before_movas_saves, says more)."""
+        if self.training_group is not None:
+            dist.barrier(group=self.training_group)
 
     # -- checkpointing ----------------------------------------------------------------
     def step_dir(self, step: int) -> Path:

@@ -17,7 +17,8 @@ config file as its argument), this rank:
 * makes the CPU adjustments of `repro/accelerate_cpu.py` right after MOVA's own
   `init_distributed_adapter` returns: Accelerate's FSDP2 path on CPU, unpinned CPU offload;
 * freezes the objects of MOVA's setup for the garbage collector as its `train()` starts
-  (`worker.freeze_setup_objects`, which says why);
+  (`worker.freeze_setup_objects`, which says why), and lets the ranks meet on a long-timeout group
+  before each `_save_checkpoint` (`align_ranks_before_movas_saves` says why);
 * installs the pass-through probes (DCP events; timed collectives when calibrating) and, if the
   spec says so, one fault (a rank that exits or freezes in a given save's local plan).
 
@@ -108,6 +109,35 @@ def adjust_for_cpu_after_movas_init() -> None:
     adapter.init_distributed_adapter = init_distributed_adapter
 
 
+def align_ranks_before_movas_saves(training_timeout_s: float) -> None:
+    """Before each of MOVA's `_save_checkpoint` calls, every rank meets on a group with the training
+    timeout (a pass-through wrapper; MOVA's method then runs unchanged, its own wait_for_everyone
+    included). Why: eight ranks finish their optimizer step on two shared cores up to 2.7 s apart
+    (newest stack); that is training, which the scaled deadline must not govern, but MOVA's first
+    barrier in `_save_checkpoint` is on the default group and would charge it to the deadline
+    (docs/evidence/repro_separation.txt). The group is made right after MOVA's own
+    `init_process_group`, on every rank, before any other."""
+    import datetime
+
+    import mova.utils.adapter as adapter
+    import torch.distributed as dist
+    from mova.engine.trainer.accelerate import accelerate_trainer
+
+    group = {}
+    original_init = adapter.init_distributed_adapter
+
+    def init_distributed_adapter():
+        original_init()
+        group["aligned"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=training_timeout_s))
+    adapter.init_distributed_adapter = init_distributed_adapter
+    original_save = accelerate_trainer.AccelerateTrainer._save_checkpoint
+
+    def _save_checkpoint(self, *args, **kwargs):
+        dist.barrier(group=group["aligned"])
+        return original_save(self, *args, **kwargs)
+    accelerate_trainer.AccelerateTrainer._save_checkpoint = _save_checkpoint
+
+
 def freeze_setup_objects_before_movas_training() -> None:
     """worker.freeze_setup_objects() as MOVA's `AccelerateTrainer.train` starts (a pass-through)."""
     from mova.engine.trainer.accelerate import accelerate_trainer
@@ -159,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled_default_timeout(spec.deadline_s, spec.training_timeout_s)
     import_movas_dataset_module()
     adjust_for_cpu_after_movas_init()
+    align_ranks_before_movas_saves(spec.training_timeout_s)
     freeze_setup_objects_before_movas_training()
     from . import pipeline  # noqa: F401 - registers TinyMOVATrain and TinyVideoAudioDataset in MOVA's registries
 
