@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(installed_versions() != (USER
 REPORTED_CHAIN = ["main", "train", "_save_checkpoint", "save_state", "save_fsdp_optimizer", "wrapper", "inner_func",
                   "save", "_save_state_dict", "reduce_scatter", "scatter_object", "wrapper", "scatter_object_list",
                   "wrapper", "broadcast"]
+SITE_FRAME = re.compile(r'File "[^"]*site-packages/([^"]+)", line (\d+), in (\w+)')
 SMALL = 2  # DiT blocks per video tower for the resume jobs (the reproduction needs its default)
 
 
@@ -69,6 +70,35 @@ def test_unpatched_sft_times_out_in_the_reported_chain_through_movas_own_files(s
     assert re.fullmatch(r"\[[^\]]*/gloo/transport/tcp/unbound_buffer\.cc:\d+\] Timed out waiting "
                         rf"{sft['deadline_ms']}ms for recv operation to complete", sft["gloo_error"])
     assert sft["ranks_timed_out"] == list(range(1, 8))
+
+
+def test_the_library_frames_equal_the_reports_line_for_line(sft, user_report_text):
+    """torch's and Accelerate's frames, file and line, as in the report's first traceback
+    (MOVA's own lines differ: the reporter's copy has more lines than the published branch)."""
+    first_rank = user_report_text[user_report_text.index("[rank1136]: Traceback"):]
+    reported = SITE_FRAME.findall(first_rank)
+    ours = [SITE_FRAME.search(f'File "{loc.split(":")[0]}", line {loc.split(":")[1].split()[0]}, in {loc.split()[-1]}')
+            for loc in sft["frame_locations"]]
+    assert [m.groups() for m in ours if m] == reported
+
+
+def test_rank0_was_planning_while_the_peers_timed_out_and_the_margin_is_reported(sft):
+    where = sft["where_at_timeout"]
+    assert where[0]["phase"] in ("gather: receive + unpickle plans", "global plan (rank 0)", "scatter")
+    assert all(where[r]["phase"] == "waiting for plan (gather + scatter)" for r in range(1, 8))
+    m = sft["margins"]  # the deadline sits between what had to pass and the peers' wait for rank 0
+    assert m["target_wait_s"] > m["deadline_s"] > m["must_pass_s"] and m["ratio"] >= 1.5
+
+
+def test_diagnose_reads_the_reproductions_own_log(sft):
+    from ckptdoctor.diagnose.logs import diagnose
+
+    report = diagnose([sft["log"]])
+    assert (report["operation"], report["target"], report["phase"], report["waiting_call"]) == \
+        ("save", "optimizer", "plan-scatter", "broadcast")
+    assert report["ranks"] == list(range(1, 8)) and report["waiting_on"] == [0]
+    assert report["timeout_ms"] == sft["deadline_ms"]
+    assert (report["torch"], report["accelerate"]) == (USER.torch, USER.accelerate)
 
 
 def test_unpatched_lora_times_out_in_the_model_saves_plan_scatter(lora):

@@ -55,3 +55,16 @@ def test_the_cli_says_where_the_extract_is_missing(tmp_path):
                            str(tmp_path / "nowhere")], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "no MOVA extract at" in proc.stderr, proc.stderr
+
+
+def test_the_harness_wrappers_are_not_reported_as_movas_frames():
+    from ckptdoctor.repro.mova import rank
+
+    frames = [{"function": "main", "file": rank.__file__, "line": 1},
+              {"function": "main", "file": "/x/scripts/training_scripts/accelerate_train.py", "line": 144},
+              {"function": "train", "file": "/x/mova/engine/trainer/accelerate/accelerate_trainer.py", "line": 466},
+              {"function": "_save_checkpoint", "file": rank.__file__, "line": 2},
+              {"function": "_save_checkpoint", "file": "/x/mova/engine/trainer/accelerate/accelerate_trainer.py",
+               "line": 515}]
+    assert [(f["function"], f["line"]) for f in rank.without_harness(frames)] == \
+        [("main", 144), ("train", 466), ("_save_checkpoint", 515)]

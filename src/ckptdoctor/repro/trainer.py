@@ -99,7 +99,7 @@ class AccelerateTrainer:
     def _align_ranks(self) -> None:
         """The ranks meet on the training group before the save: how far apart they finish the
         optimizer step on shared cores is training, not the deadline's (mova/rank.py,
-        align_ranks_before_movas_saves, says more)."""
+        training_group_for_fsdp_and_movas_saves, says more)."""
         if self.training_group is not None:
             dist.barrier(group=self.training_group)
 

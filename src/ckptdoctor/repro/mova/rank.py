@@ -12,13 +12,14 @@ config file as its argument), this rank:
   (`pipeline.py`) in MOVA's registries;
 * scales the deadline, not the mechanism: MOVA's `init_process_group` passes no timeout, so the
   default group gets torch's default (30 min for gloo); here that default is the scaled deadline
-  while MOVA creates its group, and the training timeout for every group created after it
-  (Accelerate's device mesh, which carries FSDP's collectives: HCCL's job on NPU);
+  while MOVA creates its group, and the training timeout for every group created after it;
+* puts FSDP's collectives (HCCL's job on NPU) on a group of their own with the training timeout,
+  and lets the ranks meet on it before each `_save_checkpoint`
+  (`training_group_for_fsdp_and_movas_saves` says why);
 * makes the CPU adjustments of `repro/accelerate_cpu.py` right after MOVA's own
   `init_distributed_adapter` returns: Accelerate's FSDP2 path on CPU, unpinned CPU offload;
 * freezes the objects of MOVA's setup for the garbage collector as its `train()` starts
-  (`worker.freeze_setup_objects`, which says why), and lets the ranks meet on a long-timeout group
-  before each `_save_checkpoint` (`align_ranks_before_movas_saves` says why);
+  (`worker.freeze_setup_objects`, which says why);
 * installs the pass-through probes (DCP events; timed collectives when calibrating) and, if the
   spec says so, one fault (a rank that exits or freezes in a given save's local plan).
 
@@ -28,6 +29,7 @@ lets any exception escape, so that the traceback and torchrun's teardown are MOV
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -109,16 +111,25 @@ def adjust_for_cpu_after_movas_init() -> None:
     adapter.init_distributed_adapter = init_distributed_adapter
 
 
-def align_ranks_before_movas_saves(training_timeout_s: float) -> None:
-    """Before each of MOVA's `_save_checkpoint` calls, every rank meets on a group with the training
-    timeout (a pass-through wrapper; MOVA's method then runs unchanged, its own wait_for_everyone
-    included). Why: eight ranks finish their optimizer step on two shared cores up to 2.7 s apart
-    (newest stack); that is training, which the scaled deadline must not govern, but MOVA's first
-    barrier in `_save_checkpoint` is on the default group and would charge it to the deadline
-    (docs/evidence/repro_separation.txt). The group is made right after MOVA's own
-    `init_process_group`, on every rank, before any other."""
+def training_group_for_fsdp_and_movas_saves(training_timeout_s: float) -> None:
+    """Right after MOVA's own `init_process_group`, every rank makes one more gloo group with the
+    training timeout, and it carries what is training, not checkpointing (pass-through wrappers):
+
+    * FSDP's collectives. fsdp_8.yaml's mesh is cp 4 x dp_shard 2, and FSDP shards over its
+      flattened "dp_shard_cp" dimension, all 8 ranks: torch's DeviceMesh reuses the default group
+      for a dimension over the whole world (with gloo and no CUDA), so the scaled deadline would
+      bound every all-gather, reduce-scatter and grad-norm all-reduce (a patched LoRA run timed out
+      in `clip_grad_norm_` that way). On the reporter's NPUs those run on HCCL, whose timeout is
+      not the one in the report. While Accelerate builds its mesh, DeviceMesh is given this group
+      where it would take the default one (`whole_world_meshes_on`); the other dimensions are
+      new groups either way.
+    * A meeting before each of MOVA's `_save_checkpoint` calls: eight ranks finish their optimizer
+      step on two shared cores up to 2.7 s apart (newest stack); MOVA's first barrier in
+      `_save_checkpoint` is on the default group and would charge that to the deadline
+      (docs/evidence/repro_separation.txt). MOVA's method then runs unchanged."""
     import datetime
 
+    import accelerate
     import mova.utils.adapter as adapter
     import torch.distributed as dist
     from mova.engine.trainer.accelerate import accelerate_trainer
@@ -128,14 +139,38 @@ def align_ranks_before_movas_saves(training_timeout_s: float) -> None:
 
     def init_distributed_adapter():
         original_init()
-        group["aligned"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=training_timeout_s))
+        group["training"] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=training_timeout_s))
     adapter.init_distributed_adapter = init_distributed_adapter
+    original_accelerator_init = accelerate.Accelerator.__init__
+
+    def __init__(self, *args, **kwargs):
+        with whole_world_meshes_on(group["training"]):
+            original_accelerator_init(self, *args, **kwargs)
+        fsdp_group = self.torch_device_mesh["dp_shard_cp"].get_group()
+        if fsdp_group is not group["training"]:
+            raise RuntimeError(f"FSDP's mesh is on group {fsdp_group.group_name}, not the training group: "
+                               "torch's DeviceMesh no longer takes its whole-world group from _get_default_group")
+    accelerate.Accelerator.__init__ = __init__
     original_save = accelerate_trainer.AccelerateTrainer._save_checkpoint
 
     def _save_checkpoint(self, *args, **kwargs):
-        dist.barrier(group=group["aligned"])
+        dist.barrier(group=group["training"])
         return original_save(self, *args, **kwargs)
     accelerate_trainer.AccelerateTrainer._save_checkpoint = _save_checkpoint
+
+
+@contextlib.contextmanager
+def whole_world_meshes_on(group):
+    """DeviceMesh dimensions over every rank use `group` instead of the default group (torch 2.8
+    and 2.14 both take that group from device_mesh._get_default_group; the caller checks)."""
+    from torch.distributed import device_mesh
+
+    original = device_mesh._get_default_group
+    device_mesh._get_default_group = lambda: group
+    try:
+        yield
+    finally:
+        device_mesh._get_default_group = original
 
 
 def freeze_setup_objects_before_movas_training() -> None:
@@ -176,6 +211,12 @@ def arm_fault(fault: dict, rank: int, results_dir: str, probe) -> None:
     DefaultSavePlanner.create_local_plan = create_local_plan
 
 
+def without_harness(frames: list[dict]) -> list[dict]:
+    """The frames MOVA's code and its libraries made: this module's own (`main` and the
+    pass-through wrappers around `train` and `_save_checkpoint`) are not the reporter's chain."""
+    return [f for f in frames if Path(f["file"]).resolve() != Path(__file__).resolve()]
+
+
 def main(argv: list[str] | None = None) -> int:
     spec = MovaRankSpec.from_json(Path((argv or sys.argv[1:])[0]).read_text())
     rank = int(os.environ["RANK"])
@@ -189,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled_default_timeout(spec.deadline_s, spec.training_timeout_s)
     import_movas_dataset_module()
     adjust_for_cpu_after_movas_init()
-    align_ranks_before_movas_saves(spec.training_timeout_s)
+    training_group_for_fsdp_and_movas_saves(spec.training_timeout_s)
     freeze_setup_objects_before_movas_training()
     from . import pipeline  # noqa: F401 - registers TinyMOVATrain and TinyVideoAudioDataset in MOVA's registries
 
@@ -204,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_path(sys.argv[0], run_name="__main__")
     except BaseException as error:
         report.write(status="failed", error_type=type(error).__name__, error=str(error).strip()[-4000:],
-                     error_time_s=time.time(), frames=frames_of(error.__traceback__), losses=_losses())
+                     error_time_s=time.time(), frames=without_harness(frames_of(error.__traceback__)),
+                     losses=_losses())
         raise
     report.write(status="ok", losses=_losses(), rng_digests=_rng_digests())
     return 0
