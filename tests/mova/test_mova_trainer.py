@@ -17,6 +17,8 @@ from ckptdoctor.repro.mova.job import MovaRun, run_mova
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
 
+from support.reproduction import assert_rank0_planned_while_the_peers_timed_out
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(installed_versions() != (USER.torch, USER.accelerate),
                                                    reason="MOVA's trainer is tested on the reporter's stack")]
 REPORTED_CHAIN = ["main", "train", "_save_checkpoint", "save_state", "save_fsdp_optimizer", "wrapper", "inner_func",
@@ -83,11 +85,7 @@ def test_the_library_frames_equal_the_reports_line_for_line(sft, user_report_tex
 
 
 def test_rank0_was_planning_while_the_peers_timed_out_and_the_margin_is_reported(sft):
-    where = sft["where_at_timeout"]
-    assert where[0]["phase"] in ("gather: receive + unpickle plans", "global plan (rank 0)", "scatter")
-    assert all(where[r]["phase"] == "waiting for plan (gather + scatter)" for r in range(1, 8))
-    m = sft["margins"]  # the deadline sits between what had to pass and the peers' wait for rank 0
-    assert m["target_wait_s"] > m["deadline_s"] > m["must_pass_s"] and m["ratio"] >= 1.5
+    assert_rank0_planned_while_the_peers_timed_out(sft)
 
 
 def test_diagnose_reads_the_reproductions_own_log(sft):

@@ -8,6 +8,8 @@ from ckptdoctor.repro.mova.job import Extract, ExtractProblem
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
 
+from support.reproduction import assert_rank0_planned_while_the_peers_timed_out
+
 
 def movas_trainer_covers_this_stack() -> bool:
     """On the reporter's stack, with MOVA's extract here, tests/mova runs the same reproduction and
@@ -67,11 +69,7 @@ def test_sft_frame_lines_equal_the_reports_on_the_users_stack(sft, user_report_t
 
 
 def test_sft_rank0_was_planning_while_the_peers_timed_out(sft):
-    where = sft["where_at_timeout"]
-    assert where[0]["phase"] in ("gather: receive + unpickle plans", "global plan (rank 0)", "scatter")
-    assert all(where[r]["phase"] == "waiting for plan (gather + scatter)" for r in range(1, 8))
-    m = sft["margins"]  # the deadline sits between what had to pass and the peers' wait for rank 0
-    assert m["target_wait_s"] > m["deadline_s"] > m["must_pass_s"] and m["ratio"] >= 1.5
+    assert_rank0_planned_while_the_peers_timed_out(sft)
 
 
 def test_lora_the_model_plan_is_the_long_one_so_the_model_save_trips_first(lora):
