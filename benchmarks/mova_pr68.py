@@ -4,20 +4,20 @@
 
 PR #68 (OpenMOSS/MOVA, open) saves per-rank optimizer and scheduler files under FSDP. Its diff is
 not part of this repository: pass it (e.g. `git diff <merge-base> refs/pull/68/head` in a clone of
-MOVA). The script copies the MOVA extract, `git apply`s the diff, and runs the same scaled-deadline
+MOVA). The script copies the MOVA extract, applies the diff (checked by its effect on the files), and runs the same scaled-deadline
 reproduction as `ckptdoctor repro --trainer mova` on that code: calibration on the PR's own code,
 then up to three attempts. Prints the verdict and where it failed.
 """
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ckptdoctor.repro.mova.job import Extract
+from ckptdoctor.repro.patching import PatchNotApplied, apply_diff
 from ckptdoctor.repro.reproduce import MovaTrainer, ReproOptions, format_report, reproduce
 
 
@@ -29,9 +29,10 @@ def main() -> int:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckptdoctor-pr68-"))
     code = Extract.find().copy_to(work / "mova-pr68", patched=False)
-    applied = subprocess.run(["git", "apply", str(Path(args.pr_diff).resolve())], cwd=code, capture_output=True, text=True)
-    if applied.returncode:
-        print(f"the diff does not apply to the extract: {applied.stderr.strip()}")
+    try:  # applied when every file the diff names changed, not because git exited 0
+        apply_diff(code, Path(args.pr_diff))
+    except PatchNotApplied as problem:
+        print(f"the diff does not apply to the extract: {problem}")
         return 2
     opts = ReproOptions(trainer="mova", mode=args.mode, output_dir=work / "runs")
     trainer = MovaTrainer(opts)

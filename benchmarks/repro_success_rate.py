@@ -33,6 +33,8 @@ def run_once(args, index: int, scratch: Path) -> dict:
             clone = REPO.parent / f"ckptdoctor-fresh-clone-{index}"
             shutil.rmtree(clone, ignore_errors=True)
             subprocess.run(["git", "clone", "--quiet", "--no-local", str(REPO), str(clone)], check=True)
+            if not (clone / "scripts" / "repro").is_file():  # judged by its effect, not git's exit status
+                raise RuntimeError(f"git clone of {REPO} left no scripts/repro in {clone}")
             command = [str(clone / "scripts" / "repro"), "--json", str(report_path), "--out", str(scratch / f"run{index}")]
         else:
             clone = None

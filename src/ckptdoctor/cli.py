@@ -20,7 +20,7 @@ def _writable_dir(path: str) -> Path:
         raise CkptDoctorError(f"cannot create output directory {target}: {error.strerror}") from None
     if not os.access(target, os.W_OK):
         raise CkptDoctorError(f"output directory {target} is not writable")
-    return target
+    return target.absolute()
 
 
 def _write_json(path: str | None, data) -> None:
@@ -51,16 +51,18 @@ def cmd_repro(args) -> int:
                         offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract)
     if args.cp > 1 and args.deadline is None:
         raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
+    json_path = args.json or str(opts.output_dir / ("fix-report.json" if args.fix else "report.json"))
     try:
         report = reproduce(opts, progress=lambda line: print(line, flush=True))
     except NotSeparable as error:
         print(f"NOT SEPARABLE: {error}")
-        _write_json(args.json, {"reproduced": False, "not_separable": str(error)})
+        _write_json(json_path, {"reproduced": False, "not_separable": str(error)})
         return 4
     print(format_report(report))
-    _write_json(args.json, report)
+    _write_json(json_path, report)
+    print(f"  report: {json_path}")
     if args.fix:
-        return 0 if report["save_ok"] and report["roundtrip_bitexact"] is not False else 1
+        return 0 if report["fixed"] else 1
     if report["reproduced"]:
         return 0
     return 4 if report.get("not_separable") else 1
@@ -176,8 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--no-offload", action="store_true", help="fsdp_offload_params false (the user runs with true)")
     repro.add_argument("--cp", type=int, default=1,
                        help="context-parallel size folded into the FSDP mesh (the user's file: 4); needs --deadline")
-    repro.add_argument("--out", default="runs/repro", help="working directory for logs and checkpoints")
-    repro.add_argument("--json", metavar="PATH", help="write the machine-readable report here")
+    repro.add_argument("--out", default="runs/repro",
+                       help="working directory for logs and checkpoints, relative to the current directory "
+                            "(default runs/repro); --fix reuses the deadline of a reproduction recorded there")
+    repro.add_argument("--json", metavar="PATH", help="write the machine-readable report here (default OUT/report.json; with --fix, "
+                            "OUT/fix-report.json)")
     repro.set_defaults(func=cmd_repro)
 
     sim = sub.add_parser(

@@ -1,12 +1,13 @@
 """patches/mova-feat-npu.patch against MOVA's extract, and the harness's bad-input lines (fast)."""
 
+import hashlib
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from ckptdoctor.repro.mova.job import COMMIT, PATCH, TRAINER, Extract, ExtractProblem, apply_patch
+from ckptdoctor.repro.mova.job import COMMIT, PATCH, PATCHED_FILES, TRAINER, Extract, ExtractProblem, apply_patch
 
 
 def test_the_patch_applies_to_movas_extract_and_stays_small(extract, tmp_path):
@@ -20,6 +21,15 @@ def test_the_patch_applies_to_movas_extract_and_stays_small(extract, tmp_path):
     assert "self.ckpt.save_state(" in patched and "self.accelerator.save_state(" not in patched
     assert "self.ckpt.load_state(" in patched and "self.ckpt.latest(" in patched
     assert "self.accelerator.get_state_dict(self.model)" not in patched  # no full-model gather for LoRA
+
+
+def test_a_copy_inside_a_git_work_tree_is_patched_and_checked_by_its_content(extract, tmp_path):
+    """`ckptdoctor repro --fix` copies MOVA under the checkout's runs/, where a plain `git apply`
+    skipped every file and exited 0: the copy must hold the patched trainer, by its sha256."""
+    subprocess.run(["git", "init", "--quiet", str(tmp_path)], check=True)
+    copy = extract.copy_to(tmp_path / "runs" / "repro" / "mova-patched", patched=True)
+    assert hashlib.sha256((copy / TRAINER).read_bytes()).hexdigest() == PATCHED_FILES[str(TRAINER)]
+    assert "self.ckpt.save_state(" in (copy / TRAINER).read_text()
 
 
 def test_a_missing_extract_is_one_clear_line(tmp_path):
@@ -46,7 +56,7 @@ def test_an_extract_at_another_commit_or_edited_is_refused(extract, tmp_path):
 
 def test_a_patch_that_no_longer_applies_is_one_clear_line(extract, tmp_path):
     copy = extract.copy_to(tmp_path / "mova", patched=True)
-    with pytest.raises(ExtractProblem, match=f"{PATCH.name} does not apply to .*: error"):
+    with pytest.raises(ExtractProblem, match=f"{PATCH.name} does not apply to .*: error: patch failed"):
         apply_patch(copy)  # already applied: the hunks no longer match
 
 

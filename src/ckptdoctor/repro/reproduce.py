@@ -65,6 +65,12 @@ class ReproOptions:
     extract: str | None = None          # MOVA extract (default: $CKPTDOCTOR_MOVA_EXTRACT or ../shared/mova-feat-npu)
     job_timeout_s: float = 1200.0
 
+    def __post_init__(self):
+        # Made absolute once, here: every job below crosses a process boundary, and MOVA's ranks chdir.
+        self.output_dir = Path(self.output_dir).absolute()
+        if self.extract is not None:
+            self.extract = str(Path(self.extract).absolute())
+
     @property
     def layers(self) -> int:
         return self.video_layers or DEFAULT_LAYERS[self.trainer]
@@ -142,7 +148,7 @@ class MovaTrainer:
                                                     patched=fix)
         # MOVA saves at step 4 (save_interval) and again at the end ("final"): two saves
         run = MovaRun(mode=self.opts.mode, world_size=self.opts.world_size, video_layers=self.opts.layers,
-                      max_steps=4, save_interval=4, job_timeout_s=self.opts.job_timeout_s)
+                      max_steps=4, save_interval=4, roundtrip=fix, job_timeout_s=self.opts.job_timeout_s)
         root = Path(self.opts.output_dir) / name
         out = run_mova(run, self.copies[fix], root, deadline_s, time_collectives=time_collectives, progress=progress)
         first = out.save_path / "step-4"
@@ -300,15 +306,17 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
     timed_out = [r["rank"] for r in outcome.ranks if callpath.gloo_timeout_ms(r.get("error", "")) is not None]
     model_ok, optim_ok = save_completed(outcome, MODEL_SAVE), save_completed(outcome, OPTIMIZER_SAVE)
     expected_call = CALL_OF_SAVE[choice.target_save]
+    save_ok = model_ok and optim_ok and all(r.get("status") == "ok" for r in outcome.ranks)
+    bitexact = all(r.get("roundtrip_differences") == [] for r in outcome.ranks) if opts.fix else None
     reproduced = bool(failing) and point.phase == "plan-scatter" and point.waiting_call == "broadcast" \
         and point.accelerate_call == expected_call and model_ok == (expected_call == "save_fsdp_optimizer")
     return {
         "reproduced": reproduced and not opts.fix,
         "fix": opts.fix, "trainer": opts.trainer, "layers": opts.layers,
         "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
-        "save_ok": model_ok and optim_ok and all(r.get("status") == "ok" for r in outcome.ranks),
-        "roundtrip_bitexact": all(r.get("roundtrip_differences") == [] for r in outcome.ranks)
-        if opts.fix and opts.trainer == "lookalike" else None,
+        "save_ok": save_ok,
+        "fixed": opts.fix and save_ok and bitexact is True,
+        "roundtrip_bitexact": bitexact,
         "roundtrip_differences": {r["rank"]: r.get("roundtrip_differences") for r in outcome.ranks
                                   if r.get("roundtrip_differences")} if opts.fix else None,
         "mode": opts.mode, "world_size": opts.world_size, "torch": torch_v, "accelerate": accelerate_v,
@@ -339,12 +347,53 @@ def attempt_summary(number: int, report: dict) -> dict:
             "failed_rank": report["failed_rank"], "saves_completed": report["save_ok"]}
 
 
+# -- the deadline that broke stock, kept for the fixed run in the same output directory ---------
+
+DEADLINES_FILE = "breaking-deadlines.json"
+
+
+def job_key(opts: ReproOptions) -> str:
+    """What a deadline was measured on: the same job on the same stack times out at the same one."""
+    torch_v, accelerate_v = installed_versions()
+    return (f"{opts.trainer} {opts.mode}, {opts.world_size} ranks, {opts.layers} layers, cp {opts.cp_size}, "
+            f"offload {opts.offload_params}, torch {torch_v}, accelerate {accelerate_v}")
+
+
+def remember_breaking_deadline(opts: ReproOptions, report: dict) -> None:
+    path = opts.output_dir / DEADLINES_FILE
+    known = json.loads(path.read_text()) if path.is_file() else {}
+    known[job_key(opts)] = {"deadline_s": report["deadline_ms"] / 1000, "margins": report["margins"],
+                            "log": report["log"]}
+    path.write_text(json.dumps(known, indent=1))
+
+
+def breaking_deadline(opts: ReproOptions) -> dict | None:
+    """The deadline at which a reproduction in this output directory timed out, for this job."""
+    path = opts.output_dir / DEADLINES_FILE
+    try:
+        return json.loads(path.read_text()).get(job_key(opts))
+    except (OSError, ValueError):
+        return None
+
+
 def reproduce(opts: ReproOptions, progress=print, trainer=None) -> dict:
     """Calibrate (unless a deadline is given), then attempt the reproduction (or the fixed save).
-    `trainer`: another trainer to run (benchmarks/mova_pr68.py passes MOVA with a PR applied)."""
+    The fixed save runs at the deadline a reproduction in the same output directory timed out
+    at, when there is one for this job. `trainer`: another trainer to run
+    (benchmarks/mova_pr68.py passes MOVA with a PR applied)."""
     trainer = trainer or trainer_for(opts, progress)
-    costs = None
-    if opts.deadline_s is None:
+    costs, source = None, "given (--deadline)"
+    recorded = breaking_deadline(opts) if opts.fix and opts.deadline_s is None else None
+    if recorded:
+        m = recorded["margins"]
+        choice = DeadlineChoice(recorded["deadline_s"], opts.target_save, m["must_pass_s"], m["target_wait_s"])
+        source = (f"{choice.deadline_s:.3f} s, at which the reproduction in {opts.output_dir} timed out "
+                  f"(log {recorded['log']})")
+        progress(f"[deadline] {source}")
+    elif opts.deadline_s is None:
+        source = "chosen by this run's calibration" + (
+            f" (no reproduction of this job recorded in {opts.output_dir}; run it without --fix first to test the "
+            f"fix at the deadline that broke stock)" if opts.fix else "")
         progress(f"[calibration] the same job under a {REPORTED_DEADLINE_S:.0f} s deadline, saving twice, to measure "
                  f"each wait of the save")
         costs = measure(trainer.run("calibration", REPORTED_DEADLINE_S, progress, time_collectives=True, saves=2),
@@ -373,6 +422,9 @@ def reproduce(opts: ReproOptions, progress=print, trainer=None) -> dict:
             break
         progress(f"      not the reported wait ({wrong}); bounds now {choice.below_s:.2f} s / {choice.above_s:.2f} s")
     report["attempts"] = attempts
+    report["deadline_source"] = source
+    if report["reproduced"]:
+        remember_breaking_deadline(opts, report)
     return report
 
 
@@ -383,14 +435,14 @@ def format_report(report: dict) -> str:
     lines = []
     who = f"{'MOVA' if report['trainer'] == 'mova' else 'look-alike'} trainer"
     if report["fix"]:
-        ok = report["save_ok"] and report["roundtrip_bitexact"] is not False
-        lines.append(f"{'FIXED' if ok else 'FIX FAILED'}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
+        lines.append(f"{'FIXED' if report['fixed'] else 'FIX FAILED'}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
                      f"torch {report['torch']}, accelerate {report['accelerate']}, ScalableCheckpointing; the default "
                      f"group keeps the {report['deadline_ms']} ms deadline that made stock time out, saves run on a "
                      f"checkpoint group with its own timeout")
         lines.append(f"  saves completed on every rank: {report['save_ok']}" + (
-            f"; state after load_state bit-identical to before the save on every rank: {report['roundtrip_bitexact']}"
-            if report["roundtrip_bitexact"] is not None else ""))
+            f"; state loaded back bit-identical to the state saved, on every rank: {report['roundtrip_bitexact']}"))
+        if report.get("deadline_source"):
+            lines.append(f"  deadline: {report['deadline_source']}")
     else:
         attempts = report.get("attempts") or []
         verdict = "REPRODUCED" if report["reproduced"] else ("NOT SEPARABLE" if report.get("not_separable")

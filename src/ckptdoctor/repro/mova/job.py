@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ...errors import CkptDoctorError
+from ..patching import PatchNotApplied, apply_diff
 from .rank import MovaRankSpec
 
 EXTRACT_ENV = "CKPTDOCTOR_MOVA_EXTRACT"
@@ -38,6 +39,10 @@ CHECKED_FILES = {
     "scripts/training_scripts/accelerate_train.py": "d622b46385d2c4e1af06e3ebd80bf8a7b11c92ee92bb9fd3965c0191ee7c4ed7",
     "configs/training/accelerate/fsdp_8.yaml": "b937c3a53bfa009e432c15b52818dde346b9872dd5b52615b66b198877e398d6",
 }
+# sha256 of what patches/mova-feat-npu.patch makes of them: a copy counts as patched when it holds these
+PATCHED_FILES = {
+    "mova/engine/trainer/accelerate/accelerate_trainer.py": "34e66956bcbd24804471e2aa69842310612900da2164e251b88b7008ccbdc2ef",
+}
 
 
 class ExtractProblem(CkptDoctorError):
@@ -51,7 +56,7 @@ class Extract:
     @classmethod
     def find(cls, path: str | os.PathLike | None = None) -> "Extract":
         """The extract at `path`, $CKPTDOCTOR_MOVA_EXTRACT or ../shared/mova-feat-npu, checked."""
-        where = Path(path or os.environ.get(EXTRACT_ENV) or REPO.parent / "shared" / "mova-feat-npu")
+        where = Path(path or os.environ.get(EXTRACT_ENV) or REPO.parent / "shared" / "mova-feat-npu").absolute()
         origin = where / "ORIGIN.md"
         if not origin.is_file():
             raise ExtractProblem(f"no MOVA extract at {where} (set {EXTRACT_ENV} to MOVA's feat/npu branch)")
@@ -91,12 +96,12 @@ def check_dependencies() -> None:
 
 
 def apply_patch(tree: Path, check_only: bool = False) -> None:
-    """`git apply` the fix's patch to a copy of the extract (one clear line if it does not apply)."""
-    args = ["git", "apply", "--check"] if check_only else ["git", "apply"]
-    proc = subprocess.run(args + [str(PATCH)], cwd=tree, capture_output=True, text=True)
-    if proc.returncode != 0:
-        first = (proc.stderr.strip().splitlines() or ["(no message)"])[0]
-        raise ExtractProblem(f"{PATCH.name} does not apply to {tree}: {first}")
+    """Apply the fix's patch to a copy of the extract; it counts as applied when the patched
+    files hash to PATCHED_FILES (one clear line otherwise)."""
+    try:
+        apply_diff(tree, PATCH, expected=PATCHED_FILES, check_only=check_only)
+    except PatchNotApplied as problem:
+        raise ExtractProblem(str(problem)) from None
 
 
 @dataclasses.dataclass
@@ -115,6 +120,7 @@ class MovaRun:
     dataset_length: int | None = None
     resume_from: str | None = None
     fault: dict | None = None
+    roundtrip: bool = False            # after training: resume from "final" in place and compare bit for bit
     job_timeout_s: float = 1200.0
 
     @property
@@ -161,7 +167,10 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
              time_collectives: bool = False, python: str | None = None, progress=None) -> MovaOutcome:
     """Launch MOVA's `accelerate_train.py` on `run.world_size` ranks with `accelerate launch`.
     Without `save_path`, the run saves into a fresh `root/checkpoints` (MOVA resumes from any
-    checkpoint it finds there); with one, it finds what is there, as MOVA does."""
+    checkpoint it finds there); with one, it finds what is there, as MOVA does.
+    Every path is made absolute here: each rank changes into the copy before it reads them."""
+    root, extract_copy = Path(root).absolute(), Path(extract_copy).absolute()
+    save_path = None if save_path is None else Path(save_path).absolute()
     root.mkdir(parents=True, exist_ok=True)
     if save_path is None:
         shutil.rmtree(root / "checkpoints", ignore_errors=True)
@@ -173,7 +182,8 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     config.write_text(run.config_text(save_path))
     spec = root / "rank_spec.json"
     spec.write_text(MovaRankSpec(str(extract_copy), str(config), str(results), deadline_s,
-                                 time_collectives=time_collectives, fault=run.fault).to_json())
+                                 time_collectives=time_collectives, fault=run.fault,
+                                 roundtrip=run.roundtrip).to_json())
     args = [python or sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(extract_copy / ACCELERATE_CONFIG), "--main_process_port", "0",
             "-m", "ckptdoctor.repro.mova.rank", str(spec)]

@@ -54,6 +54,13 @@ class MovaRankSpec:
     training_timeout_s: float = 1800.0
     time_collectives: bool = False
     fault: dict | None = None     # {"kind": "exit"|"sigstop", "rank": R, "save": "optimizer_0", "call": K}
+    roundtrip: bool = False       # after training, resume from "final" through MOVA's own code and compare
+
+    def __post_init__(self):
+        # The rank changes into the extract's copy before MOVA runs: a relative path would then
+        # point inside it. Resolved here, against the directory the job was started from.
+        for field in ("extract", "config", "results_dir"):
+            setattr(self, field, os.path.abspath(getattr(self, field)))
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -187,6 +194,27 @@ def freeze_setup_objects_before_movas_training() -> None:
     accelerate_trainer.AccelerateTrainer.train = train
 
 
+def roundtrip_after_movas_training(outcome: dict) -> None:
+    """After MOVA's `train()` returns (its last act is the final save), snapshot this rank's model
+    and optimizer state, overwrite it, resume from that "final" checkpoint through MOVA's own
+    `_resume_checkpoint` (patched: `ScalableCheckpointing.load_state`) and compare bit for bit.
+    The differing keys land in `outcome["differences"]` (a pass-through wrapper)."""
+    from mova.engine.trainer.accelerate import accelerate_trainer
+
+    from ..roundtrip import differences, local_state, scramble
+
+    original = accelerate_trainer.AccelerateTrainer.train
+
+    def train(self):
+        result = original(self)
+        before = local_state(self.model, self.optimizer)
+        scramble(self.model, self.optimizer)
+        self._resume_checkpoint(os.path.join(self.save_path, "final"))
+        outcome["differences"] = differences(before, local_state(self.model, self.optimizer))
+        return result
+    accelerate_trainer.AccelerateTrainer.train = train
+
+
 def arm_fault(fault: dict, rank: int, results_dir: str, probe) -> None:
     """The fault under test: rank `fault["rank"]` exits (or freezes, SIGSTOP) in the local plan
     of the `call`-th DCP save whose directory is `save` (from the probe's DCP events).
@@ -239,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     keep_evidence_on_sigterm(report)
     if spec.fault:
         arm_fault(spec.fault, rank, spec.results_dir, probe)
+    roundtrip = {}
+    if spec.roundtrip:
+        roundtrip_after_movas_training(roundtrip)
     sys.argv = [str(Path(spec.extract) / TRAIN_SCRIPT), spec.config]
     os.chdir(spec.extract)
     try:
@@ -248,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                      error_time_s=time.time(), frames=without_harness(frames_of(error.__traceback__)),
                      losses=_losses())
         raise
-    report.write(status="ok", losses=_losses(), rng_digests=_rng_digests())
+    report.write(status="ok", losses=_losses(), rng_digests=_rng_digests(),
+                 roundtrip_differences=roundtrip.get("differences"))
     return 0
 
 
