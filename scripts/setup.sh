@@ -44,5 +44,23 @@ echo "setup: installing the '$stack' stack into .venv/$stack (torch wheels are l
 python3.11 -m venv "$venv"
 "$venv/bin/pip" install --quiet --disable-pip-version-check -r "$lock" 2> >(grep -v "is ignored: it is neither" >&2)
 "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e "$root" 2> >(grep -v "is ignored: it is neither" >&2)
+# Judge the install by its effect, not pip's exit status: the pinned torch and Accelerate, and
+# ckptdoctor from this checkout, must be what the environment imports.
+pins="$(grep -E '^(torch|accelerate)==' "$lock" | sort | tr '\n' ' ')"
+got="$("$venv/bin/python" - "$root" <<'PY'
+import sys
+from importlib import metadata
+from pathlib import Path
+import ckptdoctor
+where = Path(ckptdoctor.__file__).resolve()
+if not where.is_relative_to(Path(sys.argv[1]).resolve() / "src"):
+    sys.exit(f"ckptdoctor is imported from {where}, not from this checkout")
+print(" ".join(f"{p}=={metadata.version(p).split('+')[0]}" for p in ("accelerate", "torch")) + " ")
+PY
+)" || { echo "setup: the '$stack' environment does not import this checkout's ckptdoctor" >&2; exit 4; }
+if [ "$got" != "$pins" ]; then
+  echo "setup: the '$stack' environment holds ${got:-nothing} after pip, expected $pins" >&2
+  exit 4
+fi
 echo "$want" > "$stamp"
 echo "setup: .venv/$stack ready" >&2

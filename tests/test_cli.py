@@ -48,3 +48,26 @@ def test_unsupported_versions_are_refused(monkeypatch, capsys):
 def test_unknown_stack_name():
     with pytest.raises(stacks.UnsupportedVersion, match="unknown stack 'nightly'"):
         stacks.stack_by_name("nightly")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A real read-only bind mount (EROFS even for root, unlike a chmod)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(target), str(target)], capture_output=True).returncode == 0
+    if not mounted or subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode:
+        if mounted:
+            subprocess.run(["umount", str(target)])
+        pytest.skip("a read-only bind mount needs root and mount(8)")
+    yield target
+    subprocess.run(["umount", str(target)], check=True)
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_output_directory_on_a_read_only_filesystem(read_only_dir, inside):
+    out = read_only_dir / "runs" if inside else read_only_dir
+    result = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "repro", "--out", "ro/runs" if inside else "ro"],
+                            capture_output=True, text=True, timeout=120, cwd=read_only_dir.parent)
+    _one_clear_line(result, "Read-only file system" if inside else "is not writable")
+    assert not out.exists() or not any(out.iterdir())

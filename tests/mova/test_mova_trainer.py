@@ -5,6 +5,7 @@ patch at the deadline that breaks it, a rank killed mid-save, and resume (minute
 On the reporter's stack only (torch 2.8.0, accelerate 1.13.0): that is the code the patch is
 for, and these jobs take about a quarter of the suite's time."""
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 import torch
 
 from ckptdoctor.fix.checkpointing import COMPLETE_MARKER, INCOMPLETE, find_latest, is_complete, legacy_complete
-from ckptdoctor.repro.mova.job import MovaRun, run_mova
+from ckptdoctor.repro.mova.job import PATCHED_FILES, TRAINER, MovaRun, run_mova
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
 
+from support.commands import CKPTDOCTOR, SCRIPTS_REPRO, first_run, rerun, verdict_line
+from support.paths import REPO
 from support.reproduction import assert_rank0_planned_while_the_peers_timed_out
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(installed_versions() != (USER.torch, USER.accelerate),
@@ -35,8 +38,22 @@ def reproduction(extract, tmp_path_factory, mode, fix=False, deadline_s=None):
 
 
 @pytest.fixture(scope="module")
-def sft(extract, tmp_path_factory):
-    return reproduction(extract, tmp_path_factory, "sft")
+def readme_repro(extract):
+    """The README's first command as a newcomer runs it: `scripts/repro` from the checkout root,
+    no arguments (the extract is beside the checkout, as on every machine here)."""
+    return first_run(SCRIPTS_REPRO, REPO)
+
+
+@pytest.fixture(scope="module")
+def sft(readme_repro):
+    return readme_repro[1]
+
+
+@pytest.fixture(scope="module")
+def readme_fix(readme_repro):
+    """`ckptdoctor repro --fix` from the checkout root, no other argument: its scratch copy of MOVA
+    lies inside the checkout's work tree, where `git apply` skips files and exits 0."""
+    return rerun([CKPTDOCTOR, "repro", "--fix"], REPO, report="fix-report.json")
 
 
 @pytest.fixture(scope="module")
@@ -45,13 +62,37 @@ def lora(extract, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sft_fixed(sft, extract, tmp_path_factory):
-    return reproduction(extract, tmp_path_factory, "sft", fix=True, deadline_s=sft["deadline_ms"] / 1000)
+def sft_fixed(readme_fix):
+    return readme_fix[1]
 
 
 @pytest.fixture(scope="module")
 def lora_fixed(lora, extract, tmp_path_factory):
     return reproduction(extract, tmp_path_factory, "lora", fix=True, deadline_s=lora["deadline_ms"] / 1000)
+
+
+# -- the README's commands, as a user runs them ------------------------------------------------
+
+def test_scripts_repro_from_the_checkout_root_reproduces_on_movas_trainer(readme_repro):
+    proc, report = readme_repro
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[trainer] MOVA's own trainer" in proc.stdout
+    assert verdict_line(proc).startswith("REPRODUCED: 8 ranks, MOVA trainer, mode sft, torch 2.8.0")
+    assert report["trainer"] == "mova" and report["reproduced"] is True
+    assert Path(report["log"]).is_relative_to(REPO / "runs" / "repro")  # the default --out, from the root
+
+
+def test_repro_fix_with_default_arguments_runs_patched_mova_and_round_trips(readme_repro, readme_fix):
+    proc, fixed = readme_fix
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert verdict_line(proc).startswith("FIXED: 8 ranks, MOVA trainer, mode sft")
+    patched = REPO / "runs" / "repro" / "mova-patched" / TRAINER
+    assert hashlib.sha256(patched.read_bytes()).hexdigest() == PATCHED_FILES[str(TRAINER)]
+    assert fixed["deadline_ms"] == readme_repro[1]["deadline_ms"]  # the deadline that broke stock, reused
+    assert "at which the reproduction in" in fixed["deadline_source"]
+    assert fixed["fixed"] is True and fixed["roundtrip_bitexact"] is True, fixed["roundtrip_differences"]
+    assert "[Resume] Loaded from " + str(Path(fixed["checkpoint_dir"]).parent.parent / "final") in \
+        Path(fixed["log"]).read_text()  # the round trip went through MOVA's own _resume_checkpoint
 
 
 # -- the reproduction through MOVA's own files --------------------------------------------------
@@ -111,7 +152,7 @@ def test_patched_mova_saves_at_the_deadline_that_broke_it(which, request):
     stock, fixed = request.getfixturevalue(which), request.getfixturevalue(f"{which}_fixed")
     assert stock["reproduced"] is True and fixed["deadline_ms"] == stock["deadline_ms"]
     assert fixed["gloo_error"] is None and set(fixed["rank_status"].values()) == {"ok"}
-    assert fixed["save_ok"] is True
+    assert fixed["save_ok"] is True and fixed["roundtrip_bitexact"] is True
     save_path = Path(fixed["checkpoint_dir"]).parent.parent
     for step in ("step-4", "final"):  # MOVA saves at the interval and at the end: both published whole
         assert is_complete(save_path / step), step

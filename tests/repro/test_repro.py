@@ -1,13 +1,15 @@
 """The reproduction itself: real 8-rank jobs through Accelerate's save_state (minutes each)."""
 
 import re
+from pathlib import Path
 
 import pytest
 
-from ckptdoctor.repro.mova.job import Extract, ExtractProblem
+from ckptdoctor.repro.mova.job import EXTRACT_ENV, Extract, ExtractProblem
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
 
+from support.commands import CKPTDOCTOR, first_run, rerun, verdict_line
 from support.reproduction import assert_rank0_planned_while_the_peers_timed_out
 
 
@@ -30,8 +32,22 @@ FRAME = re.compile(r'File "[^"]*site-packages/([^"]+)", line (\d+), in (\w+)')
 
 
 @pytest.fixture(scope="module")
-def sft(tmp_path_factory):
-    return reproduce(ReproOptions(mode="sft", output_dir=tmp_path_factory.mktemp("sft")), progress=lambda _: None)
+def elsewhere(tmp_path_factory):
+    """A working directory outside the checkout, and no MOVA extract to be found: as for a user
+    who installed ckptdoctor without MOVA's code beside it."""
+    return tmp_path_factory.mktemp("cwd"), {EXTRACT_ENV: str(tmp_path_factory.mktemp("no-extract") / "mova")}
+
+
+@pytest.fixture(scope="module")
+def readme_repro(elsewhere):
+    """`ckptdoctor repro` with no argument, run from another directory (default --out runs/repro)."""
+    cwd, env = elsewhere
+    return first_run([CKPTDOCTOR, "repro"], cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def sft(readme_repro):
+    return readme_repro[1]
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +104,32 @@ def fixed(stock_report, mode, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sft_fixed(sft, tmp_path_factory):
-    return fixed(sft, "sft", tmp_path_factory)
+def readme_fix(readme_repro, elsewhere):
+    cwd, env = elsewhere
+    return rerun([CKPTDOCTOR, "repro", "--fix"], cwd, env=env, report="fix-report.json")
+
+
+@pytest.fixture(scope="module")
+def sft_fixed(readme_fix):
+    return readme_fix[1]
+
+
+def test_ckptdoctor_repro_from_another_directory_takes_the_look_alike_and_reproduces(readme_repro, elsewhere):
+    proc, report = readme_repro
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[trainer] the look-alike trainer: MOVA's own is not available (no MOVA extract at" in proc.stdout
+    assert verdict_line(proc).startswith("REPRODUCED: 8 ranks, look-alike trainer, mode sft")
+    assert report["trainer"] == "lookalike" and report["reproduced"] is True
+    assert Path(report["log"]).is_relative_to(elsewhere[0] / "runs" / "repro")  # relative to where it ran
+
+
+def test_ckptdoctor_repro_fix_from_another_directory_reuses_the_breaking_deadline(readme_repro, readme_fix):
+    proc, report = readme_fix
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert verdict_line(proc).startswith("FIXED: 8 ranks, look-alike trainer, mode sft")
+    assert report["deadline_ms"] == readme_repro[1]["deadline_ms"] and "at which the reproduction in" in \
+        report["deadline_source"]
+    assert report["fixed"] is True and report["roundtrip_bitexact"] is True
 
 
 @pytest.fixture(scope="module")

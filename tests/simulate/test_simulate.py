@@ -155,24 +155,6 @@ def test_check_bad_input_is_one_clear_line(args, message):
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
-def test_check_warns_and_names_the_fix(tmp_path):
-    from ckptdoctor.repro.stacks import installed_versions
-
-    out = tmp_path / "check.json"
-    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", "--ranks", "16", "--layout", "hsdp:8",
-                           "--torch", installed_versions()[0], "--deadline", "1", "--warn-fraction", "0.1",
-                           "--json", str(out)], capture_output=True, text=True)
-    assert proc.returncode == 3, proc.stderr
-    result = json.loads(out.read_text())
-    assert {(r["planner"], r["save"]) for r in result["records"]} == {(p, s) for p in ("stock", "ours")
-                                                                       for s in ("model", "optimizer")}
-    assert any("optimizer save" in w and "ScalableSavePlanner" in w for w in result["warnings"])
-    stock = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "stock"}
-    ours = {r["save"]: r["coordinator_s"] for r in result["records"] if r["planner"] == "ours"}
-    assert ours["optimizer"] < stock["optimizer"]
-
-
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp:4"])
 @pytest.mark.parametrize("mode", ["sft", "lora"])
 def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mode):
