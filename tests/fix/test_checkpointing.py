@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from ckptdoctor.errors import CkptDoctorError
-from ckptdoctor.fix import checkpointing
-from ckptdoctor.fix.checkpointing import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Heartbeat, _Staging,
-                                          adapter_state_dict, find_latest, is_complete, legacy_complete, publish)
+from ckptdoctor.fix import heartbeat, publish as publishing
+from ckptdoctor.fix.adapters import adapter_state_dict
+from ckptdoctor.fix.heartbeat import Heartbeat
+from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, find_latest, is_complete,
+                                    legacy_complete, publish)
 
 from support.paths import JOBS
 
@@ -25,7 +27,7 @@ def dcp_dir(path, metadata=True):
 
 def staged(root, name="step-1", token="ab12", checkpoints=("accelerator/optimizer_0",)):
     """A staging directory holding DCP checkpoints, and its open publication."""
-    opened = _Staging(root / name, token)
+    opened = Staging(root / name, token)
     for c in checkpoints:
         dcp_dir(opened.staging() / c)
         opened.checkpoints.append(c)
@@ -46,7 +48,7 @@ def test_the_marker_is_written_after_the_rename_never_inside_a_staging_directory
     staging, opened = staged(tmp_path)
     seen = []
     real_replace = os.replace
-    monkeypatch.setattr(checkpointing.os, "replace",
+    monkeypatch.setattr(publishing.os, "replace",
                         lambda a, b: (seen.append((a, (a / COMPLETE_MARKER).exists())), real_replace(a, b))[1])
     publish(staging, opened)
     assert seen == [(staging, False)]
@@ -64,7 +66,7 @@ def test_a_crash_between_moving_the_old_step_aside_and_the_new_marker_loses_no_s
         if len(calls) == 2:
             raise OSError("the node died here")
         return real_replace(a, b)
-    monkeypatch.setattr(checkpointing.os, "replace", crash_on_second)
+    monkeypatch.setattr(publishing.os, "replace", crash_on_second)
     with pytest.raises(OSError):
         publish(new, new_opened)
     assert not (tmp_path / "step-1").exists()  # moved aside ...
@@ -143,7 +145,7 @@ def test_naming_the_ranks_that_left_costs_each_survivor_two_store_requests(world
         b.mark_aborted()
     alive = [b for b in beats[1::2] if b.rank != 5]
     moving_on = lambda s: [store.data.update({b.key(b.rank): b"alive:later"}) for b in alive]  # noqa: E731 (uncounted)
-    monkeypatch.setattr(checkpointing.time, "sleep", moving_on)
+    monkeypatch.setattr(heartbeat.time, "sleep", moving_on)
     store.requests = 0
     assert beats[0].gone(wait_s=1) == [5]
     assert store.requests == 2
@@ -151,8 +153,8 @@ def test_naming_the_ranks_that_left_costs_each_survivor_two_store_requests(world
 
 def test_a_rank_alive_but_unchanged_for_the_limit_is_lost_idle_and_aborted_ranks_are_not(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr(checkpointing.time, "monotonic", lambda: clock[0])
-    watch = checkpointing.Staleness(lost_after_s=10)
+    monkeypatch.setattr(heartbeat.time, "monotonic", lambda: clock[0])
+    watch = heartbeat.Staleness(lost_after_s=10)
     stale = []
     for second in range(12):
         clock[0] = float(second)
@@ -282,7 +284,7 @@ def test_a_save_publishes_one_complete_step(tmp_path):
 def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_is_published(tmp_path):
     """SIGSTOP: the process keeps its connections open, as a node that vanished without a FIN.
     Before: the others waited for the checkpoint group's timeout (3 h by default)."""
-    from ckptdoctor.fix.checkpointing import EXIT_LOST_RANK
+    from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
 
     result, reports, out = checkpoint_job(tmp_path, "sigstop", target=2, grace_s=60)
     survivors = [r for r in range(4) if r != 2]

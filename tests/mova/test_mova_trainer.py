@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptdoctor.fix.checkpointing import COMPLETE_MARKER, INCOMPLETE, find_latest, is_complete, legacy_complete
+from ckptdoctor.fix.publish import COMPLETE_MARKER, INCOMPLETE, find_latest, is_complete, legacy_complete
 from ckptdoctor.repro.mova.job import PATCHED_FILES, TRAINER, MovaRun, run_mova
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions

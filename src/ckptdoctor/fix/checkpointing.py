@@ -43,32 +43,24 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import json
 import logging
 import os
-import re
-import shutil
-import sys
-import threading
 import time
 from pathlib import Path
 
 from ..errors import CkptDoctorError
+from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
 from .compat import check_versions
-from .index import (INDEX_NAME, METADATA_NAME, CorruptCheckpoint, NotIndexable, data_file_extents, read_index,
-                    read_metadata_file, write_index)
+from .heartbeat import LOST_RANK_S, Heartbeat, _exit_lost, _log_lost, job_store
+from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
+from .publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, find_latest, is_complete,  # noqa: F401
+                      legacy_complete, publish, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 log = logging.getLogger("ckptdoctor.checkpointing")
-INCOMPLETE = ".incomplete-"
-REPLACED = ".replaced-"
-COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-HEARTBEAT_S = 1.0      # during a checkpoint each rank posts a heartbeat this often
-LOST_RANK_S = 300.0    # a rank silent this long (with its connections open) is taken as lost
-EXIT_LOST_RANK = 75    # the exit code when a rank is lost (EX_TEMPFAIL: the launcher may restart)
 
 
 class CheckpointAborted(CkptDoctorError):
@@ -95,7 +87,7 @@ class ScalableCheckpointing:
         self.verify_replicas = verify_replicas
         self.heartbeat = Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
                                    lost_after_s=lost_rank_s, on_lost=_exit_lost if on_lost_rank == "exit" else _log_lost)
-        self._open: dict[Path, _Staging] = {}
+        self._open: dict[Path, Staging] = {}
 
     # -- publication ----------------------------------------------------------------------
     def begin(self, final_dir: str | os.PathLike) -> Path:
@@ -104,7 +96,7 @@ class ScalableCheckpointing:
         final = Path(final_dir)
         token = self._start_operation()
         staging = final.with_name(f"{final.name}{INCOMPLETE}{token}")
-        self._open[staging] = _Staging(final, token)
+        self._open[staging] = Staging(final, token)
         if self.rank == 0:
             staging.mkdir(parents=True, exist_ok=True)  # a rank may already have made it (Accelerate does)
         self._barrier("create the staging directory")
@@ -196,7 +188,7 @@ class ScalableCheckpointing:
         return path
 
     # -- internals ----------------------------------------------------------------------
-    def _staging_of(self, path: Path) -> "_Staging | None":
+    def _staging_of(self, path: Path) -> "Staging | None":
         for staging, opened in self._open.items():
             if path == staging or staging in path.parents:
                 return opened
@@ -244,7 +236,7 @@ class ScalableCheckpointing:
                                     f"({str(error).strip()[:200]})") from error
 
     @contextlib.contextmanager
-    def _dcp_on_checkpoint_group(self, opened: "_Staging | None", root: Path):
+    def _dcp_on_checkpoint_group(self, opened: "Staging | None", root: Path):
         """For one call: Accelerate's dist_cp.save/load run on the checkpoint group, saves with
         the planner and writer; every call is counted and its directory recorded. Restored on
         exit, also on error."""
@@ -301,18 +293,7 @@ class ScalableCheckpointing:
             dcp.save, dcp.load = original_save, original_load
 
 
-class _Staging:
-    """One open publication: its final name, token, and the DCP checkpoints saved into it."""
-
-    def __init__(self, final: Path, token: str):
-        self.final, self.token = final, token
-        self.checkpoints: list[str] = []   # saved through the fix, relative to the staging directory
-
-    def staging(self) -> Path:
-        return self.final.with_name(f"{self.final.name}{INCOMPLETE}{self.token}")
-
-
-def _relative(path, opened: _Staging) -> str:
+def _relative(path, opened: Staging) -> str:
     return str(Path(path).resolve().relative_to(opened.staging().resolve()))
 
 
@@ -329,302 +310,3 @@ def _first_failure(error: BaseException) -> str:
     first = next(iter(failures.values()), error)
     return str(first[0] if isinstance(first, tuple) else first)
 
-
-def publish(staging: Path, opened: _Staging) -> str:
-    """Rank 0: check the staging directory, rename it into place, then write and fsync the
-    marker and fsync the parent. Returns "published" or why not (nothing renamed then)."""
-    missing = [c for c in opened.checkpoints if not (staging / c / ".metadata").is_file()]
-    if missing:
-        return f"DCP checkpoint(s) {', '.join(missing)} have no .metadata"
-    unwrapped = sorted(str(m.parent.relative_to(staging)) for m in staging.rglob(".metadata")
-                       if str(m.parent.relative_to(staging)) not in opened.checkpoints)
-    if unwrapped:
-        return (f"DCP checkpoint(s) {', '.join(unwrapped)} were saved without ckptdoctor's planner (a dcp.save bound "
-                f"before ckptdoctor wrapped it?)")
-    final = opened.final
-    replaced = final.with_name(f"{final.name}{REPLACED}{opened.token}") if final.exists() else None
-    if replaced is not None:
-        os.replace(final, replaced)  # kept whole until the new one is marked complete
-    os.replace(staging, final)
-    marker = final / COMPLETE_MARKER
-    with open(marker, "w") as f:
-        json.dump({"token": opened.token, "dcp_checkpoints": opened.checkpoints, "time": time.time()}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(final)
-    _fsync_dir(final.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
-    return "published"
-
-
-def prepare_for_load(state_dir: Path) -> str:
-    """Rank 0, before a load: every DCP checkpoint in `state_dir` has its index (made now, once,
-    for a checkpoint stock DCP wrote) and every data file its chunks need, whole. Returns "ok" or
-    the first problem, naming the file."""
-    checkpoints = sorted(d for d in Path(state_dir).iterdir() if d.is_dir() and
-                         ((d / METADATA_NAME).exists() or (d / INDEX_NAME).exists() or
-                          d.name.startswith(("pytorch_model_fsdp_", "optimizer_"))))
-    try:
-        for directory in checkpoints:
-            for name, extent in data_file_extents(_indexed(directory)).items():
-                file = directory / name
-                if not file.is_file():
-                    return f"{file} is missing"
-                if file.stat().st_size < extent:
-                    return f"{file} is truncated: {file.stat().st_size} bytes, its chunks reach {extent}"
-    except CorruptCheckpoint as problem:
-        return str(problem)
-    return "ok"
-
-
-def _indexed(directory: Path):
-    """The checkpoint's storage index: from its index file, made now if it has none (a stock
-    checkpoint: one unpickle of .metadata here instead of one on every rank), or, where no index
-    can be written, the unpickled .metadata's own."""
-    metadata = read_index(directory)
-    if metadata is not None:
-        return metadata.storage_data
-    stock = read_metadata_file(directory)
-    try:
-        write_index(directory, stock)
-    except (OSError, NotIndexable) as reason:  # read-only, or chunks the index has no column for
-        log.info("ckptdoctor: %s stays without an index (%s): every rank reads its .metadata", directory, reason)
-        return stock.storage_data
-    return read_index(directory).storage_data
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# -- what counts as a checkpoint ----------------------------------------------------------------
-
-def is_complete(path: Path) -> bool:
-    """Published by ckptdoctor: its marker, and every DCP checkpoint the marker lists has its
-    `.metadata`. A staging directory never counts."""
-    path = Path(path)
-    if INCOMPLETE in path.name:
-        return False
-    try:
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return all((path / c / ".metadata").is_file() for c in marker.get("dcp_checkpoints", []))
-
-
-def legacy_complete(path: Path) -> bool:
-    """Saved by stock `accelerator.save_state` (no marker) and whole: in its Accelerate
-    directory (`path` or `path/accelerator`) every model and optimizer DCP checkpoint has its
-    `.metadata`, and rank 0's random states (written after them) exist."""
-    path = Path(path)
-    if INCOMPLETE in path.name or (path / COMPLETE_MARKER).exists():
-        return False
-    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
-    models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
-    return bool(models and optimizers) and all((d / ".metadata").is_file() for d in models + optimizers) and \
-        (state / "random_states_0.pkl").is_file()
-
-
-def why_incomplete(path: Path) -> str:
-    """What keeps `path` (an Accelerate state directory, or the step directory holding one) from
-    counting as a checkpoint, naming the file."""
-    path = Path(path)
-    if INCOMPLETE in path.name or INCOMPLETE in path.parent.name:
-        return "a staging directory: its save did not finish"
-    for marked in (path, path.parent):
-        if (marked / COMPLETE_MARKER).is_file():
-            try:
-                listed = json.loads((marked / COMPLETE_MARKER).read_text()).get("dcp_checkpoints", [])
-            except ValueError:
-                return f"{marked / COMPLETE_MARKER} is unreadable"
-            missing = [marked / c / METADATA_NAME for c in listed if not (marked / c / METADATA_NAME).is_file()]
-            return f"{missing[0]} is missing" if missing else "complete"
-    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
-    needed = [d / METADATA_NAME for d in sorted(state.glob("pytorch_model_fsdp_*")) + sorted(state.glob("optimizer_*"))]
-    missing = [f for f in needed + [state / "random_states_0.pkl"] if not f.is_file()]
-    if not needed:
-        return f"no {COMPLETE_MARKER} in {path}, and no model or optimizer checkpoint in {state}"
-    return f"{missing[0]} is missing" if missing else "complete"
-
-
-STEP_NAME = re.compile(r"^(?P<base>\D*?)(?P<step>\d+)(?P<replaced>" + re.escape(REPLACED) + r"[0-9a-f]+)?$")
-
-
-def find_latest(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
-    """The newest complete `root/<name><N>[/subdir]` (names like `step-200`), this process's
-    view. A step whose directory was moved aside by a re-save that did not finish is found
-    under its `.replaced-` name; staging directories never count."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best = None
-    for entry in root.iterdir():
-        match = STEP_NAME.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
-        for path in _candidates(entry, subdir):
-            if is_complete(path) or (legacy and legacy_complete(path)):
-                rank = (int(match["step"]), match["replaced"] is None and REPLACED not in path.name)
-                if best is None or rank > best[0]:
-                    best = (rank, path)
-                break
-    return None if best is None else best[1]
-
-
-def _candidates(entry: Path, subdir: str | None) -> list[Path]:
-    if subdir is None:
-        return [entry]
-    return [entry / subdir] + sorted(entry.glob(f"{subdir}{REPLACED}*"))
-
-
-# -- heartbeats ---------------------------------------------------------------------------------
-
-def job_store():
-    """The job's TCP store (torch keeps it privately; 2.8 and 2.14 expose it the same way).
-    Under torchrun it lives in the agent, otherwise in rank 0's process."""
-    import torch.distributed as dist
-
-    return dist.distributed_c10d._get_default_store()
-
-
-class Heartbeat:
-    """While a checkpoint runs, a daemon thread posts this rank's heartbeat on the job's store
-    (one key per rank: "alive:<n>", "aborted:<n>" or "idle:<n>"). Rank 0's thread reads every
-    rank's key in one request; a rank alive but unchanged for `lost_after_s` is lost, and rank
-    0 posts a verdict. Every other rank reads the verdict and rank 0's key in one request.
-    So each rank makes O(1) store requests per interval, rank 0 one more."""
-
-    def __init__(self, store, prefix: str, rank: int, world_size: int, interval_s: float = HEARTBEAT_S,
-                 lost_after_s: float = LOST_RANK_S, on_lost=None):
-        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
-        self.interval_s, self.lost_after_s = interval_s, lost_after_s
-        self.on_lost = on_lost or _log_lost
-        self.seq = 0
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._post("idle")  # every key exists before any checkpoint: reading them never blocks
-
-    def key(self, rank: int) -> str:
-        return f"{self.prefix}beat/{rank}"
-
-    def _post(self, state: str) -> None:
-        self.seq += 1
-        self.store.set(self.key(self.rank), f"{state}:{self.seq}")
-
-    def open_verdict(self, token: str) -> None:
-        """Rank 0, before it tells the others `token`: the key they will read exists."""
-        self.store.set(f"{self.prefix}verdict/{token}", "ok")
-
-    def start(self, token: str) -> None:
-        """Every rank, after a collective every rank took part in (the token broadcast)."""
-        self.stop()
-        self.verdict_key = f"{self.prefix}verdict/{token}"
-        self._post("alive")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ckptdoctor-heartbeat", daemon=True)
-        self._thread.start()
-
-    def stop(self, aborted: bool = False) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=5)
-            self._thread = None
-        self._post("aborted" if aborted else "idle")
-
-    def mark_aborted(self) -> None:
-        """This rank gives up on its own: not a rank that disappeared."""
-        self.store.set(self.key(self.rank), f"aborted:{self.seq}")
-
-    def _run(self) -> None:
-        watch = Staleness(self.lost_after_s)
-        try:
-            while not self._stop.wait(self.interval_s):
-                self._post("alive")
-                if self.rank == 0:
-                    values = self.store.multi_get([self.key(r) for r in range(self.world_size)])
-                    lost = watch.update({r: v.decode() for r, v in enumerate(values)})
-                    if lost:
-                        self.store.set(self.verdict_key, f"rank(s) {', '.join(map(str, lost))} stopped answering "
-                                                         f"for {self.lost_after_s:.0f} s")
-                    verdict = self.store.get(self.verdict_key).decode()
-                else:
-                    verdict, beat0 = (v.decode() for v in self.store.multi_get([self.verdict_key, self.key(0)]))
-                    if watch.update({0: beat0}):
-                        verdict = f"rank 0 stopped answering for {self.lost_after_s:.0f} s"
-                if verdict != "ok":
-                    self.on_lost(self.rank, verdict)
-                    return
-        except Exception as error:  # noqa: BLE001 - the store went away: rank 0's process or the agent
-            self.on_lost(self.rank, f"the job's store is unreachable ({str(error).strip()[:120]}): rank 0 or the "
-                                    f"launcher's agent is gone")
-
-    def gone(self, wait_s: float | None = None) -> list[int]:
-        """Ranks that disappeared: alive but unchanged over `wait_s`, and not aborted on their
-        own. Two requests however many ranks there are."""
-        wait_s = 3 * self.interval_s if wait_s is None else wait_s
-        keys = [self.key(r) for r in range(self.world_size)]
-        try:
-            before = [v.decode() for v in self.store.multi_get(keys)]
-            time.sleep(wait_s)
-            after = [v.decode() for v in self.store.multi_get(keys)]
-        except Exception:  # noqa: BLE001
-            return []
-        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
-                and after[r].startswith("alive:")]
-
-
-class Staleness:
-    """Per rank, how long its heartbeat value has not changed while it said "alive"."""
-
-    def __init__(self, lost_after_s: float):
-        self.lost_after_s = lost_after_s
-        self.seen: dict[int, tuple[str, float]] = {}
-
-    def update(self, values: dict[int, str]) -> list[int]:
-        now, lost = time.monotonic(), []
-        for rank, value in values.items():
-            previous = self.seen.get(rank)
-            if previous is None or previous[0] != value:
-                self.seen[rank] = (value, now)
-            elif value.startswith("alive:") and now - previous[1] >= self.lost_after_s:
-                lost.append(rank)
-        return lost
-
-
-def _log_lost(rank: int, verdict: str) -> None:
-    log.error("ckptdoctor: rank %d: %s; the checkpoint cannot finish", rank, verdict)
-
-
-def _exit_lost(rank: int, verdict: str) -> None:
-    """A collective waiting for a lost rank cannot be interrupted (gloo's abort does not wake
-    it): leave, with a distinct exit code, so the launcher restarts the job. Nothing was
-    published: the staging directory is never renamed."""
-    message = f"ckptdoctor: rank {rank}: {verdict}; exiting with code {EXIT_LOST_RANK} (nothing was published)"
-    log.error(message)
-    print(message, file=sys.stderr, flush=True)
-    os._exit(EXIT_LOST_RANK)
-
-
-# -- LoRA weights without a full-model gather ---------------------------------------------------
-
-def adapter_state_dict(model, marker: str = "lora_") -> dict:
-    """The adapter (LoRA) weights, full, on every rank, without gathering the rest of the model.
-
-    Call on every rank (sharded adapters are all-gathered, one tensor at a time, in parameter
-    order). FSDP-sharded parameters (DTensors) are gathered; plain ones (FSDP-ignored) are this
-    rank's copy: nothing in FSDP keeps those equal across ranks unless the trainer averages
-    their gradients itself (check with `verify_replicas`). Keys are the model's parameter
-    names, as in `accelerator.get_state_dict(model)`."""
-    state = {}
-    for name, param in model.named_parameters():
-        if marker in name:
-            full = param.full_tensor() if hasattr(param, "full_tensor") else param
-            state[name] = full.detach().cpu().clone()
-    if not state:
-        raise CkptDoctorError(f"no parameter name contains {marker!r}")
-    return state

@@ -133,7 +133,7 @@ def dcp_logger() -> logging.Logger:
 
 def _default_store():
     """The job's TCP store, or None (then no cross-rank summary; each rank still reports itself)."""
-    from .checkpointing import job_store
+    from .heartbeat import job_store
 
     try:
         return job_store()

@@ -126,7 +126,7 @@ class AccelerateTrainer:
         """MOVA gathers the full model state dict (FSDP2: full, offloaded to rank 0's CPU)
         only to pick out the adapter weights."""
         if getattr(self.save_hook, "local_adapters", False):  # the fix: no gather of the full model
-            from ..fix.checkpointing import adapter_state_dict
+            from ..fix.adapters import adapter_state_dict
             adapters = adapter_state_dict(self.model)
         else:
             adapters = {k: v for k, v in self.accelerator.get_state_dict(self.model).items() if "lora_" in k}

@@ -1,0 +1,147 @@
+"""Liveness during a checkpoint: heartbeats on the job's TCP store.
+
+When a rank dies, the others name it; when a rank stops answering without closing its
+connections (a lost node), rank 0 notices within `lost_after_s` and every rank leaves with
+EXIT_LOST_RANK instead of waiting out the checkpoint group's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+log = logging.getLogger("ckptdoctor.checkpointing")
+HEARTBEAT_S = 1.0      # during a checkpoint each rank posts a heartbeat this often
+LOST_RANK_S = 300.0    # a rank silent this long (with its connections open) is taken as lost
+EXIT_LOST_RANK = 75    # the exit code when a rank is lost (EX_TEMPFAIL: the launcher may restart)
+
+
+def job_store():
+    """The job's TCP store (torch keeps it privately; 2.8 and 2.14 expose it the same way).
+    Under torchrun it lives in the agent, otherwise in rank 0's process."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+class Heartbeat:
+    """While a checkpoint runs, a daemon thread posts this rank's heartbeat on the job's store
+    (one key per rank: "alive:<n>", "aborted:<n>" or "idle:<n>"). Rank 0's thread reads every
+    rank's key in one request; a rank alive but unchanged for `lost_after_s` is lost, and rank
+    0 posts a verdict. Every other rank reads the verdict and rank 0's key in one request.
+    So each rank makes O(1) store requests per interval, rank 0 one more."""
+
+    def __init__(self, store, prefix: str, rank: int, world_size: int, interval_s: float = HEARTBEAT_S,
+                 lost_after_s: float = LOST_RANK_S, on_lost=None):
+        self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
+        self.interval_s, self.lost_after_s = interval_s, lost_after_s
+        self.on_lost = on_lost or _log_lost
+        self.seq = 0
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._post("idle")  # every key exists before any checkpoint: reading them never blocks
+
+    def key(self, rank: int) -> str:
+        return f"{self.prefix}beat/{rank}"
+
+    def _post(self, state: str) -> None:
+        self.seq += 1
+        self.store.set(self.key(self.rank), f"{state}:{self.seq}")
+
+    def open_verdict(self, token: str) -> None:
+        """Rank 0, before it tells the others `token`: the key they will read exists."""
+        self.store.set(f"{self.prefix}verdict/{token}", "ok")
+
+    def start(self, token: str) -> None:
+        """Every rank, after a collective every rank took part in (the token broadcast)."""
+        self.stop()
+        self.verdict_key = f"{self.prefix}verdict/{token}"
+        self._post("alive")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ckptdoctor-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self, aborted: bool = False) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=5)
+            self._thread = None
+        self._post("aborted" if aborted else "idle")
+
+    def mark_aborted(self) -> None:
+        """This rank gives up on its own: not a rank that disappeared."""
+        self.store.set(self.key(self.rank), f"aborted:{self.seq}")
+
+    def _run(self) -> None:
+        watch = Staleness(self.lost_after_s)
+        try:
+            while not self._stop.wait(self.interval_s):
+                self._post("alive")
+                if self.rank == 0:
+                    values = self.store.multi_get([self.key(r) for r in range(self.world_size)])
+                    lost = watch.update({r: v.decode() for r, v in enumerate(values)})
+                    if lost:
+                        self.store.set(self.verdict_key, f"rank(s) {', '.join(map(str, lost))} stopped answering "
+                                                         f"for {self.lost_after_s:.0f} s")
+                    verdict = self.store.get(self.verdict_key).decode()
+                else:
+                    verdict, beat0 = (v.decode() for v in self.store.multi_get([self.verdict_key, self.key(0)]))
+                    if watch.update({0: beat0}):
+                        verdict = f"rank 0 stopped answering for {self.lost_after_s:.0f} s"
+                if verdict != "ok":
+                    self.on_lost(self.rank, verdict)
+                    return
+        except Exception as error:  # noqa: BLE001 - the store went away: rank 0's process or the agent
+            self.on_lost(self.rank, f"the job's store is unreachable ({str(error).strip()[:120]}): rank 0 or the "
+                                    f"launcher's agent is gone")
+
+    def gone(self, wait_s: float | None = None) -> list[int]:
+        """Ranks that disappeared: alive but unchanged over `wait_s`, and not aborted on their
+        own. Two requests however many ranks there are."""
+        wait_s = 3 * self.interval_s if wait_s is None else wait_s
+        keys = [self.key(r) for r in range(self.world_size)]
+        try:
+            before = [v.decode() for v in self.store.multi_get(keys)]
+            time.sleep(wait_s)
+            after = [v.decode() for v in self.store.multi_get(keys)]
+        except Exception:  # noqa: BLE001
+            return []
+        return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
+                and after[r].startswith("alive:")]
+
+
+class Staleness:
+    """Per rank, how long its heartbeat value has not changed while it said "alive"."""
+
+    def __init__(self, lost_after_s: float):
+        self.lost_after_s = lost_after_s
+        self.seen: dict[int, tuple[str, float]] = {}
+
+    def update(self, values: dict[int, str]) -> list[int]:
+        now, lost = time.monotonic(), []
+        for rank, value in values.items():
+            previous = self.seen.get(rank)
+            if previous is None or previous[0] != value:
+                self.seen[rank] = (value, now)
+            elif value.startswith("alive:") and now - previous[1] >= self.lost_after_s:
+                lost.append(rank)
+        return lost
+
+
+def _log_lost(rank: int, verdict: str) -> None:
+    log.error("ckptdoctor: rank %d: %s; the checkpoint cannot finish", rank, verdict)
+
+
+def _exit_lost(rank: int, verdict: str) -> None:
+    """A collective waiting for a lost rank cannot be interrupted (gloo's abort does not wake
+    it): leave, with a distinct exit code, so the launcher restarts the job. Nothing was
+    published: the staging directory is never renamed."""
+    message = f"ckptdoctor: rank {rank}: {verdict}; exiting with code {EXIT_LOST_RANK} (nothing was published)"
+    log.error(message)
+    print(message, file=sys.stderr, flush=True)
+    os._exit(EXIT_LOST_RANK)
+
+

@@ -1,0 +1,154 @@
+"""The publish protocol: a checkpoint directory appears complete, or not at all.
+
+Everything is written to `<dir>.incomplete-<token>` (a fresh name per attempt). Rank 0 then
+checks it, renames it to `<dir>`, writes and fsyncs the completion marker (listing the DCP
+checkpoints in it) and fsyncs the parent. On object-store mounts, where a directory rename
+copies object by object, a marker can only exist in a copy that is whole. A previous `<dir>`
+is moved aside first and removed only after the marker, so a crash never loses a step.
+
+What counts as a checkpoint (`is_complete`, `legacy_complete` for stock saves) and which is the
+newest (`find_latest`) live here too: they are the reading side of the same protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from .index import METADATA_NAME
+
+INCOMPLETE = ".incomplete-"
+REPLACED = ".replaced-"
+COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
+
+
+class Staging:
+    """One open publication: its final name, token, and the DCP checkpoints saved into it."""
+
+    def __init__(self, final: Path, token: str):
+        self.final, self.token = final, token
+        self.checkpoints: list[str] = []   # saved through the fix, relative to the staging directory
+
+    def staging(self) -> Path:
+        return self.final.with_name(f"{self.final.name}{INCOMPLETE}{self.token}")
+
+
+
+def publish(staging: Path, opened: Staging) -> str:
+    """Rank 0: check the staging directory, rename it into place, then write and fsync the
+    marker and fsync the parent. Returns "published" or why not (nothing renamed then)."""
+    missing = [c for c in opened.checkpoints if not (staging / c / ".metadata").is_file()]
+    if missing:
+        return f"DCP checkpoint(s) {', '.join(missing)} have no .metadata"
+    unwrapped = sorted(str(m.parent.relative_to(staging)) for m in staging.rglob(".metadata")
+                       if str(m.parent.relative_to(staging)) not in opened.checkpoints)
+    if unwrapped:
+        return (f"DCP checkpoint(s) {', '.join(unwrapped)} were saved without ckptdoctor's planner (a dcp.save bound "
+                f"before ckptdoctor wrapped it?)")
+    final = opened.final
+    replaced = final.with_name(f"{final.name}{REPLACED}{opened.token}") if final.exists() else None
+    if replaced is not None:
+        os.replace(final, replaced)  # kept whole until the new one is marked complete
+    os.replace(staging, final)
+    marker = final / COMPLETE_MARKER
+    with open(marker, "w") as f:
+        json.dump({"token": opened.token, "dcp_checkpoints": opened.checkpoints, "time": time.time()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(final)
+    _fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return "published"
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+
+def is_complete(path: Path) -> bool:
+    """Published by ckptdoctor: its marker, and every DCP checkpoint the marker lists has its
+    `.metadata`. A staging directory never counts."""
+    path = Path(path)
+    if INCOMPLETE in path.name:
+        return False
+    try:
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return all((path / c / ".metadata").is_file() for c in marker.get("dcp_checkpoints", []))
+
+
+def legacy_complete(path: Path) -> bool:
+    """Saved by stock `accelerator.save_state` (no marker) and whole: in its Accelerate
+    directory (`path` or `path/accelerator`) every model and optimizer DCP checkpoint has its
+    `.metadata`, and rank 0's random states (written after them) exist."""
+    path = Path(path)
+    if INCOMPLETE in path.name or (path / COMPLETE_MARKER).exists():
+        return False
+    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
+    models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
+    return bool(models and optimizers) and all((d / ".metadata").is_file() for d in models + optimizers) and \
+        (state / "random_states_0.pkl").is_file()
+
+
+def why_incomplete(path: Path) -> str:
+    """What keeps `path` (an Accelerate state directory, or the step directory holding one) from
+    counting as a checkpoint, naming the file."""
+    path = Path(path)
+    if INCOMPLETE in path.name or INCOMPLETE in path.parent.name:
+        return "a staging directory: its save did not finish"
+    for marked in (path, path.parent):
+        if (marked / COMPLETE_MARKER).is_file():
+            try:
+                listed = json.loads((marked / COMPLETE_MARKER).read_text()).get("dcp_checkpoints", [])
+            except ValueError:
+                return f"{marked / COMPLETE_MARKER} is unreadable"
+            missing = [marked / c / METADATA_NAME for c in listed if not (marked / c / METADATA_NAME).is_file()]
+            return f"{missing[0]} is missing" if missing else "complete"
+    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
+    needed = [d / METADATA_NAME for d in sorted(state.glob("pytorch_model_fsdp_*")) + sorted(state.glob("optimizer_*"))]
+    missing = [f for f in needed + [state / "random_states_0.pkl"] if not f.is_file()]
+    if not needed:
+        return f"no {COMPLETE_MARKER} in {path}, and no model or optimizer checkpoint in {state}"
+    return f"{missing[0]} is missing" if missing else "complete"
+
+
+STEP_NAME = re.compile(r"^(?P<base>\D*?)(?P<step>\d+)(?P<replaced>" + re.escape(REPLACED) + r"[0-9a-f]+)?$")
+
+
+def find_latest(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
+    """The newest complete `root/<name><N>[/subdir]` (names like `step-200`), this process's
+    view. A step whose directory was moved aside by a re-save that did not finish is found
+    under its `.replaced-` name; staging directories never count."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    best = None
+    for entry in root.iterdir():
+        match = STEP_NAME.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        for path in _candidates(entry, subdir):
+            if is_complete(path) or (legacy and legacy_complete(path)):
+                rank = (int(match["step"]), match["replaced"] is None and REPLACED not in path.name)
+                if best is None or rank > best[0]:
+                    best = (rank, path)
+                break
+    return None if best is None else best[1]
+
+
+def _candidates(entry: Path, subdir: str | None) -> list[Path]:
+    if subdir is None:
+        return [entry]
+    return [entry / subdir] + sorted(entry.glob(f"{subdir}{REPLACED}*"))
+
+
