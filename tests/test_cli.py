@@ -8,6 +8,8 @@ import pytest
 from ckptdoctor.cli import main
 from ckptdoctor.repro import stacks
 
+from support.faults import read_only_bind
+
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "ckptdoctor.cli", *args], capture_output=True, text=True, timeout=120)
@@ -52,16 +54,8 @@ def test_unknown_stack_name():
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    """A real read-only bind mount (EROFS even for root, unlike a chmod)."""
-    target = tmp_path / "ro"
-    target.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(target), str(target)], capture_output=True).returncode == 0
-    if not mounted or subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode:
-        if mounted:
-            subprocess.run(["umount", str(target)])
-        pytest.skip("a read-only bind mount needs root and mount(8)")
-    yield target
-    subprocess.run(["umount", str(target)], check=True)
+    with read_only_bind(tmp_path / "ro") as target:
+        yield target
 
 
 @pytest.mark.parametrize("inside", [False, True])

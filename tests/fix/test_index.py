@@ -1,6 +1,8 @@
 """The checkpoint index (fix/index.py): what it gives back is what `.metadata` says, entry for
 entry; and a stale, damaged or missing file is one clear line, never a silent wrong answer."""
 
+import logging
+import os
 import pickle
 
 import pytest
@@ -9,9 +11,10 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 from ckptdoctor.fix.index import (INDEX_NAME, CorruptCheckpoint, NotIndexable, columns_from_storage_data,
                                   data_file_extents, read_index, read_metadata_file, write_index)
-from ckptdoctor.fix.storage import index_columns
+from ckptdoctor.fix.storage import ScalableFileSystemReader, index_columns
 
 from support.fake_ranks import random_state_dicts
+from support.faults import coarse_timestamps
 from support.metadata import describe_metadata
 from test_storage import save_as_every_rank
 
@@ -19,7 +22,7 @@ from test_storage import save_as_every_rank
 def stock_checkpoint(directory, metadata, results):
     """`directory/.metadata` as FileSystemWriter.finish writes it: the metadata with its storage index."""
     metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-    directory.mkdir(exist_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
     return metadata
 
@@ -51,6 +54,7 @@ def indexed_checkpoint(tmp_path):
     metadata, results, _ = save_as_every_rank(CASE)
     stock = stock_checkpoint(tmp_path, metadata, results)
     write_index(tmp_path, stock)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp" in p.name] == []
     return stock
 
 
@@ -66,23 +70,49 @@ def test_an_index_of_another_metadata_is_not_used(tmp_path):
     assert read_index(tmp_path) is None
 
 
-def test_a_truncated_or_foreign_index_is_one_line_naming_it(tmp_path):
+def test_same_size_same_time_same_inode_other_content_is_caught_by_the_digest(tmp_path):
+    """What 1-second timestamps allow: .metadata rewritten in place with as many bytes, its
+    mtime set back. Size, time, device and inode all match; the content does not."""
     indexed_checkpoint(tmp_path)
+    path = tmp_path / ".metadata"
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-2] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(data)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns, after.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino)
+    assert read_index(tmp_path) is None
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "foreign", "old-version", "header"])
+def test_a_damaged_index_is_ignored_and_the_reader_falls_back_to_the_metadata(tmp_path, damage, caplog):
+    """The index is derived data: damaged, it must never make the fix refuse what stock loads."""
+    stock = indexed_checkpoint(tmp_path)
     index = tmp_path / INDEX_NAME
     data = index.read_bytes()
-    index.write_bytes(data[:-7])
-    with pytest.raises(CorruptCheckpoint, match=f"{index} is truncated"):
-        read_index(tmp_path)
-    index.write_bytes(b"PK\x03\x04" + data)
-    with pytest.raises(CorruptCheckpoint, match=f"{index} is not a ckptdoctor index"):
-        read_index(tmp_path)
+    damaged = {"empty": b"", "truncated": data[:-7], "foreign": b"PK\x03\x04" + data,
+               "old-version": data.replace(b'"version": 2', b'"version": 1', 1),
+               "header": data.replace(b'"version": 2', b'"version": 2, "x": 1', 1)}[damage]
+    index.write_bytes(damaged)
+    with caplog.at_level(logging.INFO, logger="ckptdoctor.index"):
+        assert read_index(tmp_path) is None
+    assert str(index) in caplog.text or "version 1" in caplog.text
+    reader = ScalableFileSystemReader(str(tmp_path))
+    assert describe_metadata(reader.read_metadata()) == describe_metadata(stock)
 
 
-def test_an_index_without_its_metadata_is_an_unfinished_save(tmp_path):
-    indexed_checkpoint(tmp_path)
-    (tmp_path / ".metadata").unlink()
-    with pytest.raises(CorruptCheckpoint, match=r"\.metadata is missing: the save that wrote"):
-        read_index(tmp_path)
+def test_prepare_for_load_rebuilds_a_damaged_index(tmp_path):
+    from ckptdoctor.fix.load_check import prepare_for_load
+
+    stock = indexed_checkpoint(tmp_path / "accelerator" / "optimizer_0")
+    index = tmp_path / "accelerator" / "optimizer_0" / INDEX_NAME
+    index.write_bytes(b"")
+    for name, extent in data_file_extents(stock.storage_data).items():
+        (index.parent / name).write_bytes(b"\0" * extent)
+    assert prepare_for_load(tmp_path / "accelerator") == "ok"
+    assert describe_metadata(read_index(index.parent)) == describe_metadata(stock)
 
 
 def test_a_missing_or_truncated_metadata_is_one_line_naming_it(tmp_path):
@@ -100,3 +130,34 @@ def test_transformed_chunks_are_not_indexed(tmp_path):
     stock.storage_data[key] = _StorageInfo("__0_0.distcp", 0, 1, transform_descriptors=["zstd"])
     with pytest.raises(NotIndexable, match="transforms"):
         columns_from_storage_data(stock)
+
+
+def test_a_stock_resave_in_the_same_second_on_a_coarse_timestamp_filesystem_is_read_right(tmp_path):
+    """Real fault: ext4 with 1-second timestamps on a loop device. The fix's save writes a and b
+    (with its index); a stock save of the same keys in the other order rewrites .metadata with
+    as many bytes in the same second. Bound by size and mtime only, the index gave a and b
+    swapped; now it is not used, and the reader returns what stock does."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    from ckptdoctor.fix.storage import ScalableFileSystemWriter
+
+    with coarse_timestamps(tmp_path / "coarse") as mount:
+        for attempt in range(5):  # both saves within one second of the filesystem's clock
+            ckpt = mount / f"ckpt{attempt}"
+            dcp.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, storage_writer=ScalableFileSystemWriter(ckpt))
+            first = (ckpt / ".metadata").stat()
+            dcp.save({"b": torch.full((4,), 4.0), "a": torch.full((4,), 3.0)}, storage_writer=FileSystemWriter(ckpt))
+            second = (ckpt / ".metadata").stat()
+            if (first.st_size, first.st_mtime_ns) == (second.st_size, second.st_mtime_ns):
+                break
+        else:
+            pytest.skip("could not re-save within one filesystem second")
+        assert first.st_mtime_ns % 10**9 == 0  # the filesystem really keeps whole seconds
+        assert (ckpt / INDEX_NAME).is_file()
+        ours, stock = ({"a": torch.zeros(4), "b": torch.zeros(4)} for _ in range(2))
+        dcp.load(ours, storage_reader=ScalableFileSystemReader(ckpt))
+        dcp.load(stock, storage_reader=FileSystemReader(ckpt))
+        assert torch.equal(stock["a"], torch.full((4,), 3.0)) and torch.equal(stock["b"], torch.full((4,), 4.0))
+        assert all(torch.equal(ours[k], stock[k]) for k in "ab")

@@ -16,9 +16,14 @@ information in two parts:
   chunks it loads (`IndexedStorage`), nothing else.
 
 `ScalableFileSystemWriter` writes the index right after `.metadata`; `write_index` makes one
-for a checkpoint stock DCP wrote (once, on one rank, at the cost of one stock unpickle). The
-index records the size and mtime of the `.metadata` it describes, and a reader that finds
-another `.metadata` (rewritten since) does not use it.
+for a checkpoint stock DCP wrote (once, on one rank, at the cost of one stock unpickle).
+
+The index is derived data: `.metadata` stays the truth. It records the identity (device, inode,
+size, mtime) and the sha256 of the `.metadata` it describes; a reader uses it only when both
+match (a stock re-save in the same second, on a filesystem with 1-second timestamps, has the
+same size and mtime but not the same digest). An index that is stale, damaged, empty or of
+another version is not an error: `read_index` says why in the log and returns None, and the
+caller reads `.metadata` as stock does (and rank 0 writes the index anew before a load).
 """
 
 from __future__ import annotations
@@ -26,10 +31,14 @@ from __future__ import annotations
 import array
 import ctypes
 import dataclasses
+import hashlib
 import json
+import logging
 import mmap
 import os
 import pickle
+import secrets
+import socket
 import struct
 import warnings
 from collections.abc import Iterator, Mapping
@@ -40,7 +49,8 @@ from ..errors import CkptDoctorError
 INDEX_NAME = ".ckptdoctor-index"
 METADATA_NAME = ".metadata"
 MAGIC = b"ckptdoctor-index\n"
-VERSION = 1
+VERSION = 2  # 2: bound to .metadata by identity and sha256 (1: size and mtime only)
+log = logging.getLogger("ckptdoctor.index")
 COLUMNS = (("path", "i", 4), ("offset", "q", 8), ("length", "q", 8))  # name, array typecode, bytes
 
 
@@ -55,8 +65,11 @@ class NotIndexable(CkptDoctorError):
 @dataclasses.dataclass(frozen=True)
 class Header:
     version: int
-    metadata_size: int       # the .metadata this index describes
+    metadata_size: int       # the .metadata this index describes: its identity ...
     metadata_mtime_ns: int
+    metadata_device: int
+    metadata_inode: int
+    metadata_sha256: str     # ... and its content
     rows: int
     skeleton_bytes: int
 
@@ -154,18 +167,33 @@ def columns_from_storage_data(metadata) -> IndexColumns:
                         as_tensor(length, torch.int64))
 
 
+def metadata_identity(path: Path) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, device, inode) of a `.metadata` file."""
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns, stat.st_dev, stat.st_ino
+
+
+def sha256_of_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def write_index(checkpoint_dir: str | os.PathLike, metadata, columns: IndexColumns | None = None) -> Path:
     """Write `checkpoint_dir/.ckptdoctor-index` for `metadata` (the one in `.metadata`, which must
-    exist already), atomically. `columns`: the storage index, if the caller has it as columns."""
+    exist already), atomically, bound to that file's identity and digest. `columns`: the storage
+    index, if the caller has it as columns."""
     directory = Path(checkpoint_dir)
-    stat = (directory / METADATA_NAME).stat()
+    metadata_path = directory / METADATA_NAME
+    size, mtime_ns, device, inode = metadata_identity(metadata_path)
+    digest = sha256_of_file(metadata_path)
     sdm = shared_chunk_lists(metadata.state_dict_metadata)
     columns = columns or columns_from_storage_data(metadata)
     skeleton = pickle.dumps({"metadata": _skeleton(metadata, sdm), "paths": columns.paths},
                             protocol=pickle.HIGHEST_PROTOCOL)
-    header = Header(VERSION, stat.st_size, stat.st_mtime_ns, columns.path.numel(), len(skeleton))
+    header = Header(VERSION, size, mtime_ns, device, inode, digest, columns.path.numel(), len(skeleton))
     header_line = (json.dumps(dataclasses.asdict(header)) + "\n").encode()
-    tmp = directory / f"{INDEX_NAME}.tmp{os.getpid()}"
+    # unique across hosts sharing the directory, not only across this host's processes
+    tmp = directory / f"{INDEX_NAME}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     with open(tmp, "wb") as f:
         f.write(MAGIC + header_line + skeleton)
         for column in (columns.path, columns.offset, columns.length):
@@ -195,20 +223,39 @@ def _skeleton(metadata, state_dict_metadata):
 
 def read_index(checkpoint_dir: str | os.PathLike):
     """The checkpoint's metadata from its index, its storage index read on demand; None when there
-    is no index or it describes another `.metadata`. Raises CorruptCheckpoint on a damaged index."""
+    is no usable index: none, another version, one bound to another `.metadata`, or a damaged one
+    (said in the log). Raises CorruptCheckpoint only when `.metadata` itself is missing."""
     directory = Path(checkpoint_dir)
     index_path, metadata_path = directory / INDEX_NAME, directory / METADATA_NAME
     if not index_path.is_file():
         return None
     try:
-        stat = metadata_path.stat()
+        identity = metadata_identity(metadata_path)
     except FileNotFoundError:
-        raise CorruptCheckpoint(f"{metadata_path} is missing: the save that wrote {index_path} did not finish")
+        raise CorruptCheckpoint(f"{metadata_path} is missing: the save that wrote {index_path} did not finish") from None
+    try:
+        return _read_bound_index(index_path, metadata_path, identity)
+    except StaleIndex as reason:
+        log.info("ckptdoctor: not using %s: %s; reading %s instead", index_path, reason, METADATA_NAME)
+    except CorruptCheckpoint as reason:
+        log.warning("ckptdoctor: ignoring a damaged index (%s); reading %s instead", reason, METADATA_NAME)
+    return None
+
+
+class StaleIndex(Exception):
+    """The index describes another `.metadata`, or was written by another version."""
+
+
+def _read_bound_index(index_path: Path, metadata_path: Path, identity: tuple):
+    if index_path.stat().st_size == 0:
+        raise CorruptCheckpoint(f"{index_path} is empty")
     with open(index_path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     header, header_bytes = _header(data, index_path)
-    if (header.metadata_size, header.metadata_mtime_ns) != (stat.st_size, stat.st_mtime_ns):
-        return None  # .metadata was rewritten after the index: read it instead
+    if (header.metadata_size, header.metadata_mtime_ns, header.metadata_device, header.metadata_inode) != identity:
+        raise StaleIndex(f"{metadata_path} was rewritten after the index")
+    if header.metadata_sha256 != sha256_of_file(metadata_path):
+        raise StaleIndex(f"{metadata_path} has the same size and time but other content (a re-save)")
     if len(data) != header.file_size(header_bytes):
         raise CorruptCheckpoint(f"{index_path} is truncated: {len(data)} bytes, its header says "
                                 f"{header.file_size(header_bytes)}")
@@ -228,11 +275,12 @@ def _header(data, path: Path) -> tuple[Header, int]:
         raise CorruptCheckpoint(f"{path} is not a ckptdoctor index")
     end = data.find(b"\n", len(MAGIC))
     try:
-        header = Header(**json.loads(data[len(MAGIC):end + 1]))
-    except (ValueError, TypeError) as error:
+        fields = json.loads(data[len(MAGIC):end + 1])
+        if fields.get("version") != VERSION:
+            raise StaleIndex(f"it is index version {fields.get('version')}; this ckptdoctor reads {VERSION}")
+        header = Header(**fields)
+    except (ValueError, TypeError, AttributeError) as error:
         raise CorruptCheckpoint(f"{path} has a damaged header ({error})") from error
-    if header.version != VERSION:
-        raise CorruptCheckpoint(f"{path} is index version {header.version}; this ckptdoctor reads {VERSION}")
     return header, end + 1 - len(MAGIC)
 
 
