@@ -321,7 +321,8 @@ def test_a_dcp_save_that_bypassed_the_fix_is_not_published(tmp_path):
 def test_every_rank_resumes_from_the_step_rank_0_chose_or_none_does(tmp_path):
     result, reports, out = checkpoint_job(tmp_path, "blind", target=3)
     assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
-    assert all("rank(s) 3 do not see it complete" in r["error"] for r in reports.values())
+    assert all("complete': rank(s) 3: " in r["error"] and "is not a complete checkpoint" in r["error"]
+               for r in reports.values())
 
 
 @pytest.mark.slow

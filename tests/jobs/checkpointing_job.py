@@ -139,8 +139,8 @@ def main() -> int:
             ckpt.save_state(root / "step-1" / "accelerator")
             ckpt.save_state(root / "step-2" / "accelerator")
             if rank == target:  # this host's view lags: the newest step is not complete to it
-                real = checkpointing.is_complete
-                checkpointing.is_complete = lambda p: False if "step-2" in str(p) else real(p)
+                real = checkpointing.counts_as_checkpoint
+                checkpointing.counts_as_checkpoint = lambda p, *a: False if "step-2" in str(p) else real(p, *a)
             report["resumed_from"] = str(ckpt.latest(root, "accelerator"))
         elif fault.startswith("load-"):
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)

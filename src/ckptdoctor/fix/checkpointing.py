@@ -45,7 +45,6 @@ import datetime
 import functools
 import logging
 import os
-import time
 from pathlib import Path
 
 from ..errors import CkptDoctorError
@@ -55,16 +54,13 @@ from .heartbeat import LOST_RANK_S, Heartbeat, _exit_lost, _log_lost, job_store
 from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
-from .publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, find_latest, is_complete,  # noqa: F401
-                      legacy_complete, publish, why_incomplete)
+from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
+from .publish import (INCOMPLETE, Staging, complete_steps, counts_as_checkpoint, new_token, publish,
+                      remove_leftovers, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 log = logging.getLogger("ckptdoctor.checkpointing")
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-
-
-class CheckpointAborted(CkptDoctorError):
-    """A save or load could not finish on every rank; nothing was published."""
 
 
 class ScalableCheckpointing:
@@ -72,7 +68,10 @@ class ScalableCheckpointing:
 
     `verify_replicas`: passed to the planner (check that replicated tensors hold the same
     values on every rank before saving them once). `lost_rank_s` / `on_lost_rank` ("exit" or
-    "log"): what to do about a rank that stops answering."""
+    "log"): what to do about a rank that stops answering.
+
+    Every step that can fail on some ranks only ends in a collective carrying its outcome
+    (agreement.py): a failure anywhere is the same CheckpointAborted on every rank."""
 
     def __init__(self, accelerator, timeout_s: float = 3 * 3600.0, group=None, *, verify_replicas=False,
                  lost_rank_s: float = LOST_RANK_S, on_lost_rank: str = "exit"):
@@ -97,35 +96,32 @@ class ScalableCheckpointing:
         token = self._start_operation()
         staging = final.with_name(f"{final.name}{INCOMPLETE}{token}")
         self._open[staging] = Staging(final, token)
-        if self.rank == 0:
-            staging.mkdir(parents=True, exist_ok=True)  # a rank may already have made it (Accelerate does)
-        self._barrier("create the staging directory")
+        with self._aborting(staging):  # a rank may already have made it (Accelerate does): exist_ok
+            self._rank0_decides("create the staging directory", lambda: staging.mkdir(parents=True, exist_ok=True))
         return staging
 
     def commit(self, staging: str | os.PathLike) -> Path:
-        """Every rank: publish `staging` as its final directory, or raise CheckpointAborted."""
+        """Every rank: publish `staging` as its final directory, or raise CheckpointAborted.
+        After publishing, rank 0 removes what earlier saves left beside it (`remove_leftovers`)."""
         staging = Path(staging)
         opened = self._open.pop(staging)
         try:
             self._barrier("every rank wrote")
-            verdict = publish(staging, opened) if self.rank == 0 else None
-            verdict = self._broadcast(verdict if self.rank == 0 else None)
+            verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened))
             if verdict != "published":
-                raise CheckpointAborted(f"rank {self.rank}: {staging} was not published: {verdict}")
-            return opened.final
-        finally:
-            self.heartbeat.stop()
+                raise CheckpointAborted(f"{staging} was not published: {verdict}")
+        except BaseException:
+            self.heartbeat.stop(aborted=True)
+            raise
+        self.heartbeat.stop()
+        return opened.final
 
     @contextlib.contextmanager
     def publishing(self, final_dir: str | os.PathLike):
         """`with ckpt.publishing(step_dir) as staging:` begin, the body, commit."""
         staging = self.begin(final_dir)
-        try:
+        with self._aborting(staging):
             yield staging
-        except BaseException:
-            self._open.pop(staging, None)
-            self.heartbeat.stop(aborted=True)
-            raise
         self.commit(staging)
 
     # -- save / load ----------------------------------------------------------------------
@@ -135,56 +131,55 @@ class ScalableCheckpointing:
         target = Path(output_dir)
         opened = self._staging_of(target)
         if opened is not None:
-            with self._step("save_state"), self._dcp_on_checkpoint_group(opened, target):
-                self.accelerator.save_state(str(target))
+            with self._aborting(opened.staging()):
+                self._save(opened, target)
             return target
         with self.publishing(target) as staging:
-            with self._step("save_state"), self._dcp_on_checkpoint_group(self._open[staging], staging):
-                self.accelerator.save_state(str(staging))
+            self._save(self._open[staging], staging)
         return target
 
+    def _save(self, opened: Staging, directory: Path) -> None:
+        def save():
+            with self._dcp_on_checkpoint_group(opened, directory):
+                self.accelerator.save_state(str(directory))
+        self._every_rank_agrees("save_state", save)
+
     def load_state(self, input_dir: str | os.PathLike) -> None:
+        """Accelerate's load_state with the fix, from a complete checkpoint only (every rank
+        must see it complete; rank 0 checks its data files and index first)."""
         path = Path(input_dir)
-        if not (is_complete(path) or is_complete(path.parent) or legacy_complete(path)):
-            raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
         self._start_operation()
         try:
-            verdict = self._broadcast(prepare_for_load(path) if self.rank == 0 else None)
+            self._every_rank_agrees("check the checkpoint", lambda: require_complete(path))
+            verdict = self._rank0_decides("check the data files", lambda: prepare_for_load(path))
             if verdict != "ok":
-                raise CheckpointAborted(f"rank {self.rank}: not loading {path}: {verdict}")
-            with self._step("load_state"), self._dcp_on_checkpoint_group(None, path):
-                try:
-                    self.accelerator.load_state(str(path))
-                except BaseException as error:
-                    if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or \
-                            not hasattr(error, "failures"):
-                        raise
-                    raise CheckpointAborted(f"rank {self.rank}: loading {path} failed on rank(s) "
-                                            f"{', '.join(map(str, sorted(error.failures)))}: "
-                                            f"{_first_failure(error)}") from error
+                raise CheckpointAborted(f"not loading {path}: {verdict}")
+            self._every_rank_agrees("load_state", lambda: self._load(path))
         except BaseException:
             self.heartbeat.stop(aborted=True)
             raise
         self.heartbeat.stop()
 
-    def latest(self, root: str | os.PathLike, subdir: str | None = None, legacy: bool = True) -> Path | None:
-        """Every rank: the newest complete checkpoint under `root` (see `find_latest`), as rank 0
-        sees it; raises CheckpointAborted if any rank does not see it complete."""
-        import torch
-        import torch.distributed as dist
+    def _load(self, path: Path) -> None:
+        with self._dcp_on_checkpoint_group(None, path):
+            try:
+                self.accelerator.load_state(str(path))
+            except BaseException as error:
+                if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or not hasattr(error, "failures"):
+                    raise
+                raise CheckpointAborted(f"loading {path} failed on rank(s) {', '.join(map(str, sorted(error.failures)))}: "
+                                        f"{_first_failure(error)}") from error
 
-        choice = self._broadcast(str(find_latest(root, subdir, legacy) or "") if self.rank == 0 else None)
+    def latest(self, root: str | os.PathLike, subdir: str | None = None, legacy: bool = True) -> Path | None:
+        """Every rank: the newest checkpoint under `root` that is complete and loadable (its data
+        files whole: see `newest_loadable`), as rank 0 sees it; raises CheckpointAborted if any
+        rank does not see it complete."""
+        choice = self._rank0_decides("find the latest checkpoint",
+                                     lambda: str(newest_loadable(root, subdir, legacy) or ""))
         if not choice:
             return None
         path = Path(choice)
-        seen = torch.tensor([int(path.is_dir() and (is_complete(path) or is_complete(path.parent) or
-                                                     (legacy and legacy_complete(path))))])
-        everyone = [torch.zeros(1, dtype=seen.dtype) for _ in range(self.world_size)]
-        dist.all_gather(everyone, seen, group=self.group)
-        blind = [r for r, ok in enumerate(everyone) if not int(ok)]
-        if blind:
-            raise CheckpointAborted(f"rank 0 chose {path} to resume from, but rank(s) {', '.join(map(str, blind))} "
-                                    f"do not see it complete (a shared filesystem's caching?); not resuming")
+        self._every_rank_agrees(f"see {path} complete", lambda: require_complete(path, legacy))
         return path
 
     # -- internals ----------------------------------------------------------------------
@@ -199,7 +194,7 @@ class ScalableCheckpointing:
         heartbeat verdict key first), and this rank's heartbeat started."""
         token = None
         if self.rank == 0:
-            token = f"{time.time_ns():x}{os.getpid():x}"
+            token = new_token()
             self.heartbeat.open_verdict(token)
         token = self._broadcast(token)
         self.heartbeat.start(token)
@@ -212,6 +207,24 @@ class ScalableCheckpointing:
         with self._step("broadcast"):
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
+
+    def _rank0_decides(self, what: str, work):
+        with self._step(what):
+            return rank0_decides(self.group, what, work)
+
+    def _every_rank_agrees(self, what: str, work):
+        with self._step(what):
+            return every_rank_agrees(self.group, what, work)
+
+    @contextlib.contextmanager
+    def _aborting(self, staging: Path):
+        """On any error, the publication is dropped and this rank's heartbeat says it gave up."""
+        try:
+            yield
+        except BaseException:
+            self._open.pop(staging, None)
+            self.heartbeat.stop(aborted=True)
+            raise
 
     def _barrier(self, what: str) -> None:
         import torch.distributed as dist
@@ -310,3 +323,32 @@ def _first_failure(error: BaseException) -> str:
     first = next(iter(failures.values()), error)
     return str(first[0] if isinstance(first, tuple) else first)
 
+
+def require_complete(path: Path, legacy: bool = True) -> None:
+    if not counts_as_checkpoint(path, legacy):
+        raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
+
+
+def publish_and_tidy(staging: Path, opened: Staging) -> str:
+    """Rank 0: publish, then remove what earlier saves left beside it (a failure there is
+    logged: the step is published)."""
+    verdict = publish(staging, opened)
+    if verdict == "published":
+        try:
+            for leftover in remove_leftovers(opened.final.parent, opened.token):
+                log.info("ckptdoctor: removed %s, left by an earlier save", leftover)
+        except OSError as error:
+            log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", opened.final.parent, error)
+    return verdict
+
+
+def newest_loadable(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
+    """Rank 0: the newest complete checkpoint whose data files are whole (`prepare_for_load`);
+    a step that is marked complete but lost files since is skipped, with a warning, so that an
+    auto-restarting job resumes from the step before it instead of failing on it forever."""
+    for path in complete_steps(root, subdir, legacy):
+        problem = prepare_for_load(path)
+        if problem == "ok":
+            return path
+        log.warning("ckptdoctor: not resuming from %s: %s; trying the step before it", path, problem)
+    return None

@@ -20,10 +20,8 @@ def prepare_for_load(state_dir: Path) -> str:
     """Rank 0, before a load: every DCP checkpoint in `state_dir` has its index (made now, once,
     for a checkpoint stock DCP wrote) and every data file its chunks need, whole. Returns "ok" or
     the first problem, naming the file."""
-    checkpoints = sorted(d for d in Path(state_dir).iterdir() if d.is_dir() and
-                         ((d / METADATA_NAME).exists() or (d / INDEX_NAME).exists() or
-                          d.name.startswith(("pytorch_model_fsdp_", "optimizer_"))))
     try:
+        checkpoints = dcp_checkpoints(Path(state_dir))
         for directory in checkpoints:
             for name, extent in data_file_extents(_indexed(directory)).items():
                 file = directory / name
@@ -34,6 +32,22 @@ def prepare_for_load(state_dir: Path) -> str:
     except CorruptCheckpoint as problem:
         return str(problem)
     return "ok"
+
+
+def dcp_checkpoints(root: Path, depth: int = 2) -> list[Path]:
+    """The DCP checkpoint directories in `root` (an Accelerate state directory, or the step
+    directory holding one): those with a `.metadata` or an index, or named as Accelerate names
+    its model and optimizer checkpoints."""
+    found = []
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir():
+            continue
+        if (entry / METADATA_NAME).exists() or (entry / INDEX_NAME).exists() or \
+                entry.name.startswith(("pytorch_model_fsdp_", "optimizer_")):
+            found.append(entry)
+        elif depth > 1:
+            found += dcp_checkpoints(entry, depth - 1)
+    return found
 
 
 def _indexed(directory: Path):

@@ -122,28 +122,48 @@ def why_incomplete(path: Path) -> str:
     return f"{missing[0]} is missing" if missing else "complete"
 
 
-STEP_NAME = re.compile(r"^(?P<base>\D*?)(?P<step>\d+)(?P<replaced>" + re.escape(REPLACED) + r"[0-9a-f]+)?$")
+def counts_as_checkpoint(path: Path, legacy: bool = True) -> bool:
+    """What `load_state` accepts: a directory published whole (its own marker, or its step
+    directory's marker listing DCP checkpoints inside it), or, with `legacy`, a whole stock save."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return is_complete(path) or (is_complete(path.parent) and _listed_in_marker(path)) or \
+        (legacy and legacy_complete(path))
+
+
+def _listed_in_marker(path: Path) -> bool:
+    listed = json.loads((path.parent / COMPLETE_MARKER).read_text()).get("dcp_checkpoints", [])
+    return any(c.startswith(f"{path.name}/") for c in listed)
+
+
+# Any name ending in the step number: step-200, v2-step-200, global_step200.
+STEP_NAME = re.compile(r"^(?P<base>.*?)(?P<step>\d+)(?P<replaced>" + re.escape(REPLACED) + r"[0-9a-f]+)?$")
+
+
+def complete_steps(root, subdir: str | None = None, legacy: bool = True) -> list[Path]:
+    """Every complete `root/<name><N>[/subdir]`, newest first, in this process's view. A step
+    whose directory was moved aside by a re-save that did not finish is found under its
+    `.replaced-` name, after the step itself; staging directories never count."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = STEP_NAME.match(entry.name)
+        if not match or not entry.is_dir() or INCOMPLETE in entry.name:
+            continue
+        for path in _candidates(entry, subdir):
+            if counts_as_checkpoint(path, legacy):
+                found.append(((int(match["step"]), match["replaced"] is None and REPLACED not in path.name), path))
+                break
+    return [path for _, path in sorted(found, key=lambda item: item[0], reverse=True)]
 
 
 def find_latest(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
-    """The newest complete `root/<name><N>[/subdir]` (names like `step-200`), this process's
-    view. A step whose directory was moved aside by a re-save that did not finish is found
-    under its `.replaced-` name; staging directories never count."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    best = None
-    for entry in root.iterdir():
-        match = STEP_NAME.match(entry.name)
-        if not match or not entry.is_dir():
-            continue
-        for path in _candidates(entry, subdir):
-            if is_complete(path) or (legacy and legacy_complete(path)):
-                rank = (int(match["step"]), match["replaced"] is None and REPLACED not in path.name)
-                if best is None or rank > best[0]:
-                    best = (rank, path)
-                break
-    return None if best is None else best[1]
+    """The newest of `complete_steps`, or None."""
+    steps = complete_steps(root, subdir, legacy)
+    return steps[0] if steps else None
 
 
 def _candidates(entry: Path, subdir: str | None) -> list[Path]:
@@ -152,3 +172,41 @@ def _candidates(entry: Path, subdir: str | None) -> list[Path]:
     return [entry / subdir] + sorted(entry.glob(f"{subdir}{REPLACED}*"))
 
 
+# -- leftovers ------------------------------------------------------------------------------------
+
+def new_token() -> str:
+    """A save's token: its start time (16 hex digits of ns) and rank 0's pid."""
+    return f"{time.time_ns():016x}{os.getpid():x}"
+
+
+def token_time_ns(token: str) -> int | None:
+    try:
+        return int(token[:16], 16) if len(token) > 16 else None
+    except ValueError:
+        return None
+
+
+LEFTOVER = re.compile(r"^(?P<name>.+?)(?P<kind>" + re.escape(INCOMPLETE) + "|" + re.escape(REPLACED) +
+                      r")(?P<token>[0-9a-f]+)$")
+
+
+def remove_leftovers(root: Path, token: str) -> list[Path]:
+    """Rank 0, after the save `token` published into `root`: remove what earlier saves left
+    there. A staging directory of a save that started before this one is dead (one job saves
+    one step at a time; two jobs must not share a save root). A `.replaced-` copy goes only
+    when its step exists complete again; otherwise it is that step's only copy and stays."""
+    started = token_time_ns(token)
+    removed = []
+    for entry in sorted(Path(root).iterdir()):
+        match = LEFTOVER.match(entry.name)
+        if not match or not entry.is_dir():
+            continue
+        when = token_time_ns(match["token"])
+        if match["kind"] == INCOMPLETE:
+            dead = when is not None and started is not None and when < started
+        else:
+            dead = counts_as_checkpoint(entry.with_name(match["name"]))
+        if dead:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed

@@ -1,0 +1,62 @@
+"""Every failure on any rank becomes the same CheckpointAborted on every rank.
+
+A checkpoint has steps that one rank does alone (rank 0 creates the staging directory,
+publishes, scans for the newest step, checks the data files before a load) and steps each rank
+does on its own (Accelerate's save_state, what it sees of a checkpoint). If such a step raised
+on one rank and that rank left, the others would wait in their next collective for the
+checkpoint group's timeout (hours). So each such step ends in a collective that carries its
+outcome: a rank that failed still takes part, with its reason, and every rank raises the same
+CheckpointAborted naming the failed rank(s) and the first reason, within one collective.
+"""
+
+from __future__ import annotations
+
+from ..errors import CkptDoctorError
+from ..ranks import format_ranks
+
+
+class CheckpointAborted(CkptDoctorError):
+    """A save or load could not finish on every rank; nothing was published."""
+
+
+def attempt(work) -> tuple[str, object]:
+    """("ok", result) or ("failed", one line saying why). DCP's CheckpointException is a
+    BaseException, so only interpreter exits pass through."""
+    try:
+        return "ok", work()
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - every failure is reported to every rank
+        return "failed", describe(error)
+
+
+def describe(error: BaseException) -> str:
+    text = " ".join(str(error).split())[:400]
+    return text if isinstance(error, CkptDoctorError) else f"{type(error).__name__}: {text}"
+
+
+def rank0_decides(group, what: str, work):
+    """Rank 0 runs `work`; every rank returns its result, or raises the same CheckpointAborted."""
+    import torch.distributed as dist
+
+    box = [attempt(work) if dist.get_rank(group) == 0 else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    status, value = box[0]
+    if status != "ok":
+        raise CheckpointAborted(f"checkpoint aborted at '{what}': rank 0: {value}")
+    return value
+
+
+def every_rank_agrees(group, what: str, work):
+    """Every rank runs `work`; each returns its own result, or every rank raises the same
+    CheckpointAborted naming the ranks that failed."""
+    import torch.distributed as dist
+
+    outcome = attempt(work)
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, outcome, group=group)
+    failed = [(rank, reason) for rank, (status, reason) in enumerate(everyone) if status != "ok"]
+    if failed:
+        raise CheckpointAborted(f"checkpoint aborted at '{what}': rank(s) {format_ranks([r for r, _ in failed])}: "
+                                f"{failed[0][1]}")
+    return outcome[1]
