@@ -11,9 +11,12 @@ from ckptdoctor.errors import CkptDoctorError
 from ckptdoctor.fix import heartbeat, publish as publishing
 from ckptdoctor.fix.adapters import adapter_state_dict
 from ckptdoctor.fix.heartbeat import Heartbeat
-from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, find_latest, is_complete,
-                                    legacy_complete, publish)
+from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
+from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, counts_as_checkpoint, find_latest,
+                                    is_complete, legacy_complete, new_token, publish)
+from ckptdoctor.fix.storage import ScalableFileSystemWriter
 
+from support.faults import small_tmpfs
 from support.paths import JOBS
 
 
@@ -346,3 +349,90 @@ def test_two_saves_of_one_step_at_once_leave_one_complete_checkpoint(tmp_path):
     step = tmp_path / "shared" / "step-1" / "accelerator"
     assert is_complete(step)
     assert [p.name for p in step.parent.iterdir()] == ["accelerator"]  # no staging or replaced leftovers
+
+
+def assert_the_same_abort_on_every_rank_within_seconds(result, reports, fragment):
+    """The rule: a failure on any rank is the same CheckpointAborted on every rank, and every
+    rank ends on its own well before the checkpoint group's timeout (300 s in the job)."""
+    assert result.returncodes == [0] * 4 and result.torn_down == [], result.returncodes
+    assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}, reports
+    assert len({r["error"] for r in reports.values()}) == 1, [r["error"] for r in reports.values()]
+    assert fragment in reports[0]["error"], reports[0]["error"]
+    assert max(r["end_s"] for r in reports.values()) - min(r["end_s"] for r in reports.values()) < 60
+
+
+@pytest.mark.slow
+def test_a_full_disk_at_rank_0s_staging_directory_aborts_every_rank_at_once(tmp_path):
+    """Real fault: the save root is a tmpfs with no inode left, so only rank 0's mkdir fails.
+    Before: ranks 1-3 waited in the next barrier for the group's timeout."""
+    out = tmp_path / "full-begin"
+    with small_tmpfs(out / "full", "1m,nr_inodes=8") as full:
+        (full / "ckpt").mkdir()
+        filler = 0
+        with pytest.raises(OSError):
+            while True:
+                (full / f"f{filler}").write_bytes(b"")
+                filler += 1
+        result, reports, _ = checkpoint_job(tmp_path, "full-begin")
+    assert_the_same_abort_on_every_rank_within_seconds(
+        result, reports, "checkpoint aborted at 'create the staging directory': rank 0: OSError: [Errno 28]")
+
+
+@pytest.mark.slow
+def test_a_marker_that_cannot_be_written_aborts_every_rank_and_publishes_nothing_complete(tmp_path):
+    """INJECTED fault (rank 0's json.dump of the marker raises ENOSPC, after the rename)."""
+    result, reports, out = checkpoint_job(tmp_path, "marker-fails")
+    assert_the_same_abort_on_every_rank_within_seconds(
+        result, reports, "checkpoint aborted at 'publish': rank 0: OSError: [Errno 28] No space left on device")
+    assert not is_complete(out / "ckpt" / "step-1" / "accelerator")
+
+
+def test_a_step_published_with_begin_and_commit_is_found_by_its_accelerate_subdirectory(tmp_path):
+    """commit() marks the step directory, not step/accelerator: latest(root, "accelerator") used to
+    skip such steps unless the legacy test happened to pass."""
+    staging, opened = staged(tmp_path, name="step-4", token="0004",
+                             checkpoints=("accelerator/pytorch_model_fsdp_0", "accelerator/optimizer_0"))
+    publish(staging, opened)
+    assert find_latest(tmp_path, "accelerator", legacy=False) == tmp_path / "step-4" / "accelerator"
+    assert not counts_as_checkpoint(tmp_path / "step-4" / "acelerator")  # a misspelt subdirectory is not one
+    staged_v2, opened_v2 = staged(tmp_path, name="v2-step-8", token="0008")
+    publish(staged_v2, opened_v2)
+    assert find_latest(tmp_path, legacy=False) == tmp_path / "v2-step-8"  # digits before the step number
+
+
+def real_step(root, step, token):
+    """A published step whose Accelerate state holds a real single-process DCP checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    opened = Staging(root / f"step-{step}", token)
+    dcp.save({"w": torch.full((16,), float(step))},
+             storage_writer=ScalableFileSystemWriter(opened.staging() / "accelerator" / "optimizer_0"))
+    opened.checkpoints.append("accelerator/optimizer_0")
+    assert publish(opened.staging(), opened) == "published"
+    return root / f"step-{step}"
+
+
+def test_latest_skips_a_step_whose_data_files_are_gone_and_takes_the_one_before(tmp_path):
+    older, newer = real_step(tmp_path, 100, new_token()), real_step(tmp_path, 200, new_token())
+    assert newest_loadable(tmp_path) == newer
+    next((newer / "accelerator" / "optimizer_0").glob("*.distcp")).unlink()
+    assert find_latest(tmp_path) == newer  # still marked complete ...
+    assert newest_loadable(tmp_path) == older  # ... but not loadable: the job resumes from the step before
+
+
+def test_the_next_successful_commit_removes_earlier_saves_leftovers_and_nothing_it_may_need(tmp_path):
+    dead_staging = tmp_path / f"step-100{INCOMPLETE}{new_token()}"
+    dead_staging.mkdir()
+    kept_replaced = real_step(tmp_path, 50, new_token()).with_name(f"step-60{REPLACED}{new_token()}")
+    kept_replaced.mkdir()  # step-60 exists nowhere else: its only copy stays
+    redundant = tmp_path / f"step-50{REPLACED}{new_token()}"
+    redundant.mkdir()  # step-50 is complete again: the copy goes
+    ours = new_token()
+    later_staging = tmp_path / f"step-300{INCOMPLETE}{new_token()}"  # started after ours: may be live
+    later_staging.mkdir()
+    opened = Staging(tmp_path / "step-200", ours)
+    dcp_dir(opened.staging() / "accelerator" / "optimizer_0")
+    opened.checkpoints.append("accelerator/optimizer_0")
+    assert publish_and_tidy(opened.staging(), opened) == "published"
+    assert not dead_staging.exists() and not redundant.exists()
+    assert kept_replaced.exists() and later_staging.exists() and is_complete(tmp_path / "step-200")

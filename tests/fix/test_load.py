@@ -42,8 +42,9 @@ def load_job(tmp_path, problem):
     return reports, out / "ckpt" / "step-1" / "accelerator"
 
 
-@pytest.mark.parametrize("problem", ["none", "stock"])
+@pytest.mark.parametrize("problem", ["none", "stock", "empty-index"])
 def test_load_state_reads_its_own_and_stocks_checkpoints_back(tmp_path, problem):
+    """"empty-index": the index is derived data; an empty one is rebuilt, never a refusal."""
     reports, state_dir = load_job(tmp_path, problem)
     assert {r["status"] for r in reports.values()} == {"ok"}, reports[0].get("error")
     assert all(r["state_is_the_saved_one"] for r in reports.values())
@@ -54,11 +55,14 @@ def test_load_state_reads_its_own_and_stocks_checkpoints_back(tmp_path, problem)
     ("missing-metadata", r"not a complete checkpoint \(.*/pytorch_model_fsdp_0/\.metadata is missing\)"),
     ("truncated-metadata", r"not loading .*: .*/pytorch_model_fsdp_0/\.metadata is truncated or corrupt"),
     ("data-file-missing", r"not loading .*: .*/pytorch_model_fsdp_0/__1_0\.distcp is missing"),
+    ("misspelt", r"checkpoint aborted at 'check the checkpoint': rank\(s\) 0-3: .*/step-1/acelerator is not a "
+                 r"complete checkpoint"),
     ("extra-key", r"loading .* failed on rank\(s\) 0, 1, 2, 3: Missing key in checkpoint state_dict: model\.extra"),
 ])
 def test_a_damaged_checkpoint_is_refused_on_every_rank_in_one_line_naming_it(tmp_path, problem, line):
     reports, _ = load_job(tmp_path, problem)
     assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
+    assert len({r["error"] for r in reports.values()}) == 1  # the same line on every rank
     for report in reports.values():
         assert "\n" not in report["error"]
         assert re.search(line, report["error"]), report["error"]

@@ -20,6 +20,7 @@ Each rank writes OUT/rank<N>.json: what happened, when.
 """
 
 import datetime
+import errno
 import json
 import os
 import pickle
@@ -86,12 +87,19 @@ def damage(state_dir: Path, problem: str) -> None:
         (model / ".metadata").write_bytes(data[:len(data) // 2])
     elif problem == "data-file-missing":
         (model / "__1_0.distcp").unlink()
+    elif problem == "empty-index":  # an interrupted copy
+        (model / ".ckptdoctor-index").write_bytes(b"")
 
 
 def save_then_load(ckpt, accelerator, root: Path, problem: str, report: dict) -> None:
     state_dir = root / "step-1" / "accelerator"
     if problem == "stock":
         accelerator.save_state(str(state_dir))  # stock save_state: no marker, no index
+    elif problem == "misspelt":  # a step published with begin/commit, then loaded from a subdirectory it lacks
+        staging = ckpt.begin(root / "step-1")
+        ckpt.save_state(staging / "accelerator")
+        ckpt.commit(staging)
+        state_dir = root / "step-1" / "acelerator"
     else:
         ckpt.save_state(state_dir)
     if dist.get_rank() == 0:
@@ -127,6 +135,8 @@ def main() -> int:
     OUT, fault = Path(sys.argv[1]), sys.argv[2]
     root = Path(os.environ.get("CKPTDOCTOR_TEST_CKPT_ROOT", OUT / "ckpt"))
     target = int(sys.argv[3]) if len(sys.argv) > 3 else -1
+    if (OUT / "full").is_dir():  # the test mounted a full filesystem there (a real ENOSPC)
+        root = OUT / "full" / "ckpt"
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     rank = dist.get_rank()
     report = {"rank": rank, "fault": fault}
@@ -142,6 +152,14 @@ def main() -> int:
                 real = checkpointing.counts_as_checkpoint
                 checkpointing.counts_as_checkpoint = lambda p, *a: False if "step-2" in str(p) else real(p, *a)
             report["resumed_from"] = str(ckpt.latest(root, "accelerator"))
+        elif fault == "marker-fails":  # INJECTED: rank 0's completion marker hits ENOSPC after the rename
+            if rank == 0:
+                from ckptdoctor.fix import publish as publishing
+
+                def full_disk(*args, **kwargs):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                publishing.json.dump = full_disk
+            report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
         elif fault.startswith("load-"):
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:
