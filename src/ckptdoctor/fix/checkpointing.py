@@ -19,18 +19,17 @@ What it changes, and nothing else:
 * `ScalableSavePlanner` instead of the `DefaultSavePlanner()` Accelerate passes, and
   `ScalableFileSystemWriter` instead of its `FileSystemWriter(path)` (same files). A save rank 0
   cannot derive (ranks hold different keys) is retried at once on the planner's owned path;
-* atomic publication: everything is written to `<dir>.incomplete-<token>` (a fresh name per
-  attempt, chosen by rank 0); after every rank has written and every DCP checkpoint in it has
-  its `.metadata`, rank 0 renames it to `<dir>`, then writes and fsyncs the completion marker
-  (listing those checkpoints) and fsyncs the parent: on object-store mounts, where a directory
-  rename copies object by object, a marker can only exist in a copy that is whole. A previous
-  `<dir>` is moved aside first and removed only after the marker, so a crash never loses a step;
-* `latest()` runs on rank 0 and is broadcast: every rank resumes from the same step, and every
-  rank checks that it sees it complete (directory caching on NFS can differ between hosts);
+* atomic publication (publish.py): everything is written to `<dir>.incomplete-<token>` and
+  rank 0 renames it into place and marks it complete only when every DCP checkpoint in it has
+  its `.metadata`; the next successful commit removes what dead saves left beside it;
+* `latest()` runs on rank 0 and is broadcast: every rank resumes from the same step, the newest
+  whose data files are whole, and every rank checks that it sees it complete (directory caching
+  on NFS can differ between hosts);
 * every DCP call Accelerate makes inside `save_state` is counted: a save that bypassed the fix
   (a `dcp.save` bound before this module ran, a planner it does not know) fails before publishing;
-* heartbeats on the job's TCP store: when a rank dies, the others name it; when a rank stops
-  answering without closing its connections (a lost node), rank 0 notices within
+* a failure on any rank, in any step, is the same CheckpointAborted on every rank (agreement.py);
+* heartbeats on the job's TCP store (heartbeat.py): when a rank dies, the others name it; when a
+  rank stops answering without closing its connections (a lost node), rank 0 notices within
   `lost_rank_s` and every rank exits (EXIT_LOST_RANK) instead of waiting out the group timeout.
 
 How: Accelerate calls `torch.distributed.checkpoint.save/load` with a fixed planner and no
