@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import SavePlan
 
 from ckptdoctor.fix.planner import assign_plain_items, coverage_problems, validate_chunks
+from ckptdoctor.fix.storage import ScalableFileSystemReader
 from ckptdoctor.repro.launcher import launch
 
 from support.fake_ranks import random_state_dicts, saved_as_every_rank
@@ -200,6 +201,11 @@ def test_the_broadcast_back_is_slim_after_our_writer_and_stock_after_stocks(tmp_
     stock_writer = run(tmp_path, 4, "save", tmp_path / "plain", "ours")
     assert [r["returned_chunks"] for r in ours[1:]] == [0, 0, 0]
     assert all(r["returned_chunks"] > 0 for r in stock_writer)
+    # storage_meta (checkpoint_id, save_id) as stock sets it: in the return value and in what readers see
+    assert {r["returned_checkpoint_id"] for r in ours + stock_writer} == {str(tmp_path / "ours"), str(tmp_path / "plain")}
+    assert [r["returned_checkpoint_id"] for r in ours] == [str(tmp_path / "ours")] * 4
+    for reader in (ScalableFileSystemReader(str(tmp_path / "ours")), FileSystemReader(str(tmp_path / "ours"))):
+        assert str(reader.read_metadata().storage_meta.checkpoint_id) == str(tmp_path / "ours")
 
 
 @pytest.mark.slow

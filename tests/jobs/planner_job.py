@@ -148,6 +148,8 @@ def main() -> int:
             report["returned_chunks"] = sum(len(getattr(md, "chunks", [])) for md in
                                             returned.state_dict_metadata.values())
             report["items_written"] = len(planner.plan.items)
+            meta = returned.storage_meta
+            report["returned_checkpoint_id"] = None if meta is None else str(meta.checkpoint_id)
             report["mode"] = getattr(planner, "mode", "stock planner")
     else:
         state = build(rank, world, zeros=True)

@@ -56,7 +56,9 @@ class ScalableFileSystemWriter(FileSystemWriter):
     def finish(self, metadata: Metadata, results: list) -> None:
         if results and all(isinstance(r, WrittenItems) for r in results):
             _raise_on(columns_coverage_problems(metadata, results))
-            super().finish(_with_storage_columns(metadata, StorageColumns(results, metadata)), [])
+            written = _with_storage_columns(metadata, StorageColumns(results, metadata))
+            super().finish(written, [])
+            metadata.storage_meta = written.storage_meta  # stock's finish sets it on what it writes: the copy
             columns = index_columns(results, metadata)
         else:
             expanded = [r.write_results(metadata) if isinstance(r, WrittenItems) else r for r in results]
