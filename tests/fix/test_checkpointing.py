@@ -313,6 +313,18 @@ def test_under_an_agent_hosted_store_the_survivors_name_a_dead_rank_0(tmp_path):
 
 
 @pytest.mark.slow
+def test_when_rank_0_dies_with_the_store_it_hosts_the_survivors_name_it(tmp_path):
+    """env:// without torchrun's agent (srun, mpirun, mp.spawn): the store lives in rank 0's
+    process and dies with it (real SIGKILL-like exit). Before: DistNetworkError: Broken pipe."""
+    result, reports, out = checkpoint_job(tmp_path, "exit", target=0, agent_store=False, grace_s=60)
+    assert result.returncodes[0] == 9 and result.torn_down == []
+    for rank in (1, 2, 3):
+        assert reports[rank]["error_type"] == "CheckpointAborted", reports[rank]
+        assert "rank 0 (its process hosts the job's store) left the checkpoint" in reports[rank]["error"]
+    assert find_latest(out / "ckpt", "accelerator") is None
+
+
+@pytest.mark.slow
 def test_a_dcp_save_that_bypassed_the_fix_is_not_published(tmp_path):
     result, reports, out = checkpoint_job(tmp_path, "bound", world=2)
     assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}

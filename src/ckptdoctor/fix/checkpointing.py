@@ -49,7 +49,7 @@ from pathlib import Path
 from ..errors import CkptDoctorError
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
 from .compat import check_versions
-from .heartbeat import LOST_RANK_S, Heartbeat, _exit_lost, _log_lost, job_store
+from .heartbeat import LOST_RANK_S, Heartbeat, _exit_lost, _log_lost, job_store, store_host
 from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
@@ -243,7 +243,10 @@ class ScalableCheckpointing:
                 raise
             self.heartbeat.mark_aborted()
             gone = self.heartbeat.gone()
-            who = f"rank(s) {', '.join(map(str, gone))} left the checkpoint" if gone else "a peer left the checkpoint"
+            if self.heartbeat.store_lost:
+                who = f"{store_host()} left the checkpoint"
+            else:
+                who = f"rank(s) {', '.join(map(str, gone))} left the checkpoint" if gone else "a peer left the checkpoint"
             raise CheckpointAborted(f"rank {self.rank}: checkpoint aborted at '{what}': {who} "
                                     f"({str(error).strip()[:200]})") from error
 

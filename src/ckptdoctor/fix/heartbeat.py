@@ -17,6 +17,14 @@ log = logging.getLogger("ckptdoctor.checkpointing")
 HEARTBEAT_S = 1.0      # during a checkpoint each rank posts a heartbeat this often
 LOST_RANK_S = 300.0    # a rank silent this long (with its connections open) is taken as lost
 EXIT_LOST_RANK = 75    # the exit code when a rank is lost (EX_TEMPFAIL: the launcher may restart)
+STORE_LOST_GRACE_S = 10.0  # the main thread's own error about a lost store goes first
+
+
+def store_host() -> str:
+    """Who hosts the job's TCP store: torchrun's agent, or rank 0's process (env:// elsewhere)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return "the launcher's agent (it hosts the job's store)"
+    return "rank 0 (its process hosts the job's store)"
 
 
 def job_store():
@@ -40,6 +48,7 @@ class Heartbeat:
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
         self.on_lost = on_lost or _log_lost
         self.seq = 0
+        self.store_lost = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._post("idle")  # every key exists before any checkpoint: reading them never blocks
@@ -49,7 +58,15 @@ class Heartbeat:
 
     def _post(self, state: str) -> None:
         self.seq += 1
-        self.store.set(self.key(self.rank), f"{state}:{self.seq}")
+        self._set(self.key(self.rank), f"{state}:{self.seq}")
+
+    def _set(self, key: str, value: str) -> None:
+        """Best effort: on the way out of a failed checkpoint the store may be gone with rank 0's
+        process, and that must not replace the CheckpointAborted being raised."""
+        try:
+            self.store.set(key, value)
+        except Exception:  # noqa: BLE001 - DistNetworkError, DistStoreError, ...
+            self.store_lost = True
 
     def open_verdict(self, token: str) -> None:
         """Rank 0, before it tells the others `token`: the key they will read exists."""
@@ -73,7 +90,7 @@ class Heartbeat:
 
     def mark_aborted(self) -> None:
         """This rank gives up on its own: not a rank that disappeared."""
-        self.store.set(self.key(self.rank), f"aborted:{self.seq}")
+        self._set(self.key(self.rank), f"aborted:{self.seq}")
 
     def _run(self) -> None:
         watch = Staleness(self.lost_after_s)
@@ -95,8 +112,11 @@ class Heartbeat:
                     self.on_lost(self.rank, verdict)
                     return
         except Exception as error:  # noqa: BLE001 - the store went away: rank 0's process or the agent
-            self.on_lost(self.rank, f"the job's store is unreachable ({str(error).strip()[:120]}): rank 0 or the "
-                                    f"launcher's agent is gone")
+            self.store_lost = True
+            if self._stop.wait(STORE_LOST_GRACE_S):
+                return  # the checkpoint ended first: its own error (CheckpointAborted) says what happened
+            self.on_lost(self.rank, f"the job's store is unreachable ({str(error).strip()[:120]}): {store_host()} "
+                                    f"is gone")
 
     def gone(self, wait_s: float | None = None) -> list[int]:
         """Ranks that disappeared: alive but unchanged over `wait_s`, and not aborted on their
@@ -107,7 +127,8 @@ class Heartbeat:
             before = [v.decode() for v in self.store.multi_get(keys)]
             time.sleep(wait_s)
             after = [v.decode() for v in self.store.multi_get(keys)]
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - the store is gone: whoever hosted it left (store_host)
+            self.store_lost = True
             return []
         return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
                 and after[r].startswith("alive:")]
