@@ -301,26 +301,19 @@ def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_i
 
 
 @pytest.mark.slow
-def test_under_an_agent_hosted_store_the_survivors_name_a_dead_rank_0(tmp_path):
-    """torchrun's agent hosts the job's store: when rank 0 dies the store stays, and the
-    survivors can still tell who left."""
-    result, reports, out = checkpoint_job(tmp_path, "exit", target=0, agent_store=True, grace_s=60)
+@pytest.mark.parametrize("agent_store, named", [
+    (True, "rank(s) 0 left the checkpoint"),
+    (False, "rank 0 (its process hosts the job's store) left the checkpoint"),
+])
+def test_the_survivors_name_a_dead_rank_0_wherever_the_store_lives(tmp_path, agent_store, named):
+    """Under torchrun the agent hosts the job's store: it outlives rank 0, and the heartbeats tell
+    who left. Under env:// without the agent (srun, mpirun, mp.spawn) the store dies with rank 0's
+    process; before, the survivors then got DistNetworkError: Broken pipe."""
+    result, reports, out = checkpoint_job(tmp_path, "exit", target=0, agent_store=agent_store, grace_s=60)
     assert result.returncodes[0] == 9 and result.torn_down == []
     for rank in (1, 2, 3):
         assert reports[rank]["error_type"] == "CheckpointAborted", reports[rank]
-        assert "rank(s) 0 left the checkpoint" in reports[rank]["error"]
-    assert find_latest(out / "ckpt", "accelerator") is None
-
-
-@pytest.mark.slow
-def test_when_rank_0_dies_with_the_store_it_hosts_the_survivors_name_it(tmp_path):
-    """env:// without torchrun's agent (srun, mpirun, mp.spawn): the store lives in rank 0's
-    process and dies with it (real SIGKILL-like exit). Before: DistNetworkError: Broken pipe."""
-    result, reports, out = checkpoint_job(tmp_path, "exit", target=0, agent_store=False, grace_s=60)
-    assert result.returncodes[0] == 9 and result.torn_down == []
-    for rank in (1, 2, 3):
-        assert reports[rank]["error_type"] == "CheckpointAborted", reports[rank]
-        assert "rank 0 (its process hosts the job's store) left the checkpoint" in reports[rank]["error"]
+        assert named in reports[rank]["error"]
     assert find_latest(out / "ckpt", "accelerator") is None
 
 
