@@ -13,9 +13,10 @@ first use, so that ``import ckptdoctor`` (and the CLI's log diagnosis) costs no 
 """
 
 __version__ = "0.2.0"
-__all__ = ["ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing", "SaveWatchdog"]
+__all__ = ["ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing", "CheckpointAborted",
+           "SaveWatchdog"]
 _HOMES = {"ScalableSavePlanner": "planner", "ScalableFileSystemWriter": "storage",
-          "ScalableCheckpointing": "checkpointing", "SaveWatchdog": "watchdog"}
+          "ScalableCheckpointing": "checkpointing", "CheckpointAborted": "agreement", "SaveWatchdog": "watchdog"}
 
 
 def __getattr__(name):
