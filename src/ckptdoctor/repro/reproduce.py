@@ -248,7 +248,9 @@ def bounded(target: str, below: float, above: float) -> DeadlineChoice:
             f"cannot separate the waits: the peers wait {above:.2f} s for rank 0 in the {CALL_OF_SAVE[target]} plan "
             f"scatter, and waits that must pass reach {below:.2f} s (ratio {above / below:.2f}, needs {MIN_RATIO}); "
             f"more layers (--layers) make planning dominate, a quieter machine shrinks the other waits")
-    return DeadlineChoice(math.sqrt(below * above), target, below, above)
+    # gloo counts whole milliseconds (truncated): a deadline of whole milliseconds makes the report's
+    # deadline_ms, gloo's "Timed out waiting <ms>ms" and a rerun at deadline_ms / 1000 the same deadline
+    return DeadlineChoice(round(math.sqrt(below * above), 3), target, below, above)
 
 
 def recalibrate(choice: DeadlineChoice, report: dict) -> DeadlineChoice:
