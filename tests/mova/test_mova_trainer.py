@@ -31,6 +31,12 @@ SITE_FRAME = re.compile(r'File "[^"]*site-packages/([^"]+)", line (\d+), in (\w+
 SMALL = 2  # DiT blocks per video tower for the resume jobs (the reproduction needs its default)
 
 
+def why(report: dict) -> str:
+    """What a failed reproduction's report says of its attempts, whole (pytest cuts dicts short)."""
+    return json.dumps({k: report.get(k) for k in ("attempts", "not_separable", "margins", "calibration", "log")},
+                      indent=1, default=str)
+
+
 def reproduction(extract, tmp_path_factory, mode, fix=False, deadline_s=None):
     out = tmp_path_factory.mktemp(f"mova-{mode}{'-fixed' if fix else ''}")
     return reproduce(ReproOptions(trainer="mova", mode=mode, output_dir=out, fix=fix, deadline_s=deadline_s,
@@ -98,7 +104,7 @@ def test_repro_fix_with_default_arguments_runs_patched_mova_and_round_trips(read
 # -- the reproduction through MOVA's own files --------------------------------------------------
 
 def test_unpatched_sft_times_out_in_the_reported_chain_through_movas_own_files(sft):
-    assert sft["reproduced"] is True, sft.get("attempts")
+    assert sft["reproduced"] is True, why(sft)
     assert (sft["failed_call"], sft["failed_phase"], sft["waiting_call"]) == \
         ("save_fsdp_optimizer", "plan-scatter", "broadcast")
     assert sft["model_save_ok"] is True and sft["optimizer_save_ok"] is False
@@ -141,7 +147,7 @@ def test_diagnose_reads_the_reproductions_own_log(sft):
 
 
 def test_unpatched_lora_times_out_in_the_model_saves_plan_scatter(lora):
-    assert lora["reproduced"] is True, lora.get("attempts")
+    assert lora["reproduced"] is True, why(lora)
     assert (lora["failed_call"], lora["failed_phase"], lora["waiting_call"]) == \
         ("save_fsdp_model", "plan-scatter", "broadcast")
     assert "accelerate_trainer.py:515 in _save_checkpoint" in " ".join(lora["frame_locations"])
@@ -150,7 +156,8 @@ def test_unpatched_lora_times_out_in_the_model_saves_plan_scatter(lora):
 @pytest.mark.parametrize("which", ["sft", "lora"])
 def test_patched_mova_saves_at_the_deadline_that_broke_it(which, request):
     stock, fixed = request.getfixturevalue(which), request.getfixturevalue(f"{which}_fixed")
-    assert stock["reproduced"] is True and fixed["deadline_ms"] == stock["deadline_ms"]
+    assert stock["reproduced"] is True, why(stock)
+    assert fixed["deadline_ms"] == stock["deadline_ms"]
     assert fixed["gloo_error"] is None and set(fixed["rank_status"].values()) == {"ok"}
     assert fixed["save_ok"] is True and fixed["roundtrip_bitexact"] is True
     save_path = Path(fixed["checkpoint_dir"]).parent.parent

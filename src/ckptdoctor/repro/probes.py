@@ -30,7 +30,10 @@ from ..errors import UnsupportedVersion
 from ..diagnose.timeline import CollectiveCall, StepEvent
 from ..fix.watchdog import dcp_logger
 
-TIMED_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object", "barrier")
+# "broadcast" here is torch.distributed.broadcast as callers outside DCP reach it (Accelerate's
+# data loader synchronises RNG states with it on the default group); DCP's own reach c10d's.
+TIMED_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_list", "all_gather_object", "barrier",
+                     "broadcast")
 TIMED_GLOO_OPS = ("broadcast", "scatter", "gather", "all_gather")  # recorded as "c10d.<name>"
 LOGGED_FUNCTIONS = ("save", "_save_state_dict", "local_step", "global_step", "write_data", "finish_checkpoint")
 CHECKED_TORCH = ("2.8.0", "2.14.1")

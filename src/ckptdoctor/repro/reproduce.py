@@ -189,7 +189,8 @@ def trainer_for(opts: ReproOptions, progress=print):
 @dataclasses.dataclass
 class Calibration:
     waits: dict[str, list[SaveWaits]]  # per save name, one per save of it in the run
-    barrier_wait_s: float              # the trainer's wait_for_everyone, also on the default group
+    barrier_wait_s: float              # the longest wait of the trainer's own default-group calls before
+                                       # the first save (wait_for_everyone, the data loader's RNG broadcast)
     outcome: JobOutcome
 
     def first(self, save: str) -> SaveWaits:
@@ -205,11 +206,12 @@ def measure(outcome: JobOutcome, world_size: int) -> Calibration:
     keys = sorted({e.save for e in outcome.events if e.step == "save"})
     waits = {save: [save_waits(outcome.events, outcome.calls, key, world_size) for key in keys
                     if key.split("@")[0] == save] for save in (MODEL_SAVE, OPTIMIZER_SAVE)}
-    # The barriers an attempt meets before its first save: later ones follow a save whose
-    # metadata broadcast the peers unpickle and rank 0 does not, which no attempt gets to.
+    # The trainer's default-group calls an attempt meets before its first save; later ones follow
+    # a save whose metadata broadcast the peers unpickle and rank 0 does not, which no attempt gets to.
     first_save = min(e.time_s for e in outcome.events if e.step == "save")
-    barriers = [c for c in outcome.calls if c.name == "barrier" and c.start_s < first_save and c.default_group]
-    return Calibration(waits, longest_wait(barriers, "barrier"), outcome)
+    trainers = [c for c in outcome.calls if c.name in ("barrier", "broadcast") and c.start_s < first_save
+                and c.default_group]
+    return Calibration(waits, max(longest_wait(trainers, "barrier"), longest_wait(trainers, "broadcast")), outcome)
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ config file as its argument), this rank:
   default group gets torch's default (30 min for gloo); here that default is the scaled deadline
   while MOVA creates its group, and the training timeout for every group created after it;
 * puts FSDP's collectives (HCCL's job on NPU) on a group of their own with the training timeout,
-  and lets the ranks meet on it before each `_save_checkpoint`
+  and lets the ranks meet on it as `train()` starts and before each `_save_checkpoint`
   (`training_group_for_fsdp_and_movas_saves` says why);
 * makes the CPU adjustments of `repro/accelerate_cpu.py` right after MOVA's own
   `init_distributed_adapter` returns: Accelerate's FSDP2 path on CPU, unpinned CPU offload;
@@ -133,7 +133,11 @@ def training_group_for_fsdp_and_movas_saves(training_timeout_s: float) -> None:
     * A meeting before each of MOVA's `_save_checkpoint` calls: eight ranks finish their optimizer
       step on two shared cores up to 2.7 s apart (newest stack); MOVA's first barrier in
       `_save_checkpoint` is on the default group and would charge that to the deadline
-      (docs/evidence/repro_separation.txt). MOVA's method then runs unchanged."""
+      (docs/evidence/repro_separation.txt). MOVA's method then runs unchanged.
+    * A meeting as MOVA's `train()` starts: the ranks end model loading and FSDP wrapping over a
+      second apart here, and the data loader's first batch synchronises RNG states with a
+      broadcast on the default group (a LoRA attempt in CI timed out there, not in a save).
+      Startup skew is not what the reporter's 1,800 s measured."""
     import datetime
 
     import accelerate
@@ -164,6 +168,12 @@ def training_group_for_fsdp_and_movas_saves(training_timeout_s: float) -> None:
         dist.barrier(group=group["training"])
         return original_save(self, *args, **kwargs)
     accelerate_trainer.AccelerateTrainer._save_checkpoint = _save_checkpoint
+    original_train = accelerate_trainer.AccelerateTrainer.train
+
+    def train(self):
+        dist.barrier(group=group["training"])
+        return original_train(self)
+    accelerate_trainer.AccelerateTrainer.train = train
 
 
 @contextlib.contextmanager
