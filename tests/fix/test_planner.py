@@ -225,6 +225,20 @@ def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_own
 
 
 @pytest.mark.slow
+def test_used_alone_the_planner_saves_a_sub_mesh_dtensor_as_stock_does_on_the_owned_path(tmp_path):
+    """A DTensor on one row of a 2-D mesh: rank 0 cannot derive its chunks, every rank sees that
+    by itself and sends its owned items, and the save takes the owned path with no retry."""
+    env = {"SUBMESH": "1"}
+    saved = run(tmp_path, 4, "save", tmp_path / "ours", "ours+writer", env=env)
+    assert [r.get("failed") for r in saved] == [None] * 4 and [r["mode"] for r in saved] == ["owned"] * 4
+    run(tmp_path, 4, "save", tmp_path / "stock", "stock", env=env)
+    assert described(tmp_path / "ours") == described(tmp_path / "stock")
+    assert all(len(files) == 1 for files in writers(tmp_path / "ours").values())
+    loaded = run(tmp_path, 4, "load", tmp_path / "ours", env=env)  # stock dcp.load
+    assert all(r["mismatches"] == [] for r in loaded)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("planner", ["ours+writer", "ours-owned+writer", "ours"])
 def test_a_rank_failing_in_planning_fails_every_rank_at_once_and_nothing_is_written(tmp_path, planner):
     """No collective of the planner's own: the failing rank's exception reaches every rank

@@ -13,6 +13,8 @@ its local shards must hold. Each rank writes rank<N>.json beside DIR with what i
 
 Faults, injected by environment variable (the fix's defences are under test, not torch):
     EXTRA_KEY_ON_RANK=R       rank R holds a replicated key the others do not
+    SUBMESH=1                 add a DTensor on a sub-mesh (one row of the 2-D mesh), which rank 0
+                              cannot derive: the planner alone must take the owned path
     DIFFER_ON_RANK=R          rank R's copy of the replicated plain.lora differs
     VERIFY_REPLICAS=1         save with ScalableSavePlanner(verify_replicas=True)
     FAIL_PLANNING_ON_RANK=R   torch's local planning raises on rank R
@@ -36,7 +38,8 @@ from ckptdoctor import ScalableFileSystemWriter, ScalableSavePlanner
 from ckptdoctor.fix.load_planner import ScalableLoadPlanner
 from ckptdoctor.fix.storage import ScalableFileSystemReader
 
-SHAPES = {"fsdp.w": (10, 7), "fsdp.down": (3, 13), "fsdp.small": (2,), "hsdp.w": (9, 5), "plain.lora": (4, 4)}
+SHAPES = {"fsdp.w": (10, 7), "fsdp.down": (3, 13), "fsdp.small": (2,), "hsdp.w": (9, 5), "plain.lora": (4, 4),
+          "row.w": (6, 3)}
 
 
 def full(name: str, shape) -> torch.Tensor:
@@ -56,6 +59,8 @@ def build(rank: int, world: int, zeros: bool = False) -> dict:
         "plain": {"lora": value("plain.lora"), "step": torch.tensor(0.0 if zeros else 7.0)},
         "param_groups": [{"lr": 0.0 if zeros else 1e-4, "params": ["fsdp.w", "fsdp.down"]}],
     }
+    if os.environ.get("SUBMESH") == "1":  # every row holds its own full copy, sharded over the row
+        state["row"] = {"w": distribute_tensor(value("row.w"), hsdp["shard"], [Shard(0)])}
     if os.environ.get("EXTRA_KEY_ON_RANK") == str(rank):  # ranks disagree on the replicated keys
         state["plain"]["only_here"] = torch.ones(3)
     if os.environ.get("DIFFER_ON_RANK") == str(rank) and not zeros:

@@ -26,11 +26,15 @@ protocol, files and metadata, and changes what travels:
   overlap, full coverage), once per distinct chunk list; and at the finish step a check
   that what the ranks wrote is exactly what the metadata lists (`coverage_problems`).
 
-When the handshakes disagree (ranks hold different keys, a mesh spans ranks outside the save,
-a chunk torch's function does not predict), rank 0 cannot derive the metadata and the save
-fails with `NotDerivable` on every rank, before anything is written. `derive_metadata=False`
-takes the "owned" path instead: ranks send the items they own and rank 0 builds the metadata
-from them (what `ScalableCheckpointing` retries with).
+The "owned" path, at stock's cost: ranks send the items they own and rank 0 builds the
+metadata from them; `derive_metadata=False` always takes it. Otherwise a rank that sees by
+itself that rank 0 could not derive its chunks (a ShardedTensor, a chunk torch's function does
+not predict, a DTensor on a mesh that is not the whole world, e.g. a sub-mesh) sends its owned
+items with its handshake; when every rank did, the save takes the owned path by itself, with
+one warning on rank 0, so the planner used alone saves what stock saves. What no rank can see
+alone (ranks holding different keys, or only some ranks in doubt) fails the save with
+`NotDerivable` on every rank before anything is written; `ScalableCheckpointing` retries such
+a save on the owned path.
 
 Optional: `verify_replicas=True` (or a predicate on keys) adds a CRC-32 of every replicated
 tensor to the handshake, and the save fails, naming the keys, when replicas differ. Stock
@@ -50,6 +54,7 @@ import functools
 import hashlib
 import heapq
 import itertools
+import logging
 import math
 import zlib
 from collections.abc import Callable, Iterable
@@ -63,6 +68,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CkptDoctorError
 from .compat import check_torch
+
+log = logging.getLogger("ckptdoctor.planner")
 
 
 class NotDerivable(CkptDoctorError):
@@ -86,6 +93,7 @@ class Handshake:
     not_derivable: str | None                  # None: every chunk is the one torch's function gives
     checksums: dict | None = None              # (fqn, offsets) -> CRC-32, with verify_replicas
     mappings: dict | None = None               # the flatten mapping, on the owned path only
+    sent_owned: bool = False                   # the plan carries this rank's owned items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +134,20 @@ class ScalableSavePlanner(DefaultSavePlanner):
         self.local_items = plan.items
         self.owned_shards = owned_shards(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
                                          lowest_rank=self.dedup_save_to_lowest_rank)
+        doubt = self.meshes.not_derivable(plan.items, self.state_dict) or \
+            self.meshes.not_whole_world(plan.items, self.state_dict)
+        send_owned = not self.derive_metadata or doubt is not None
         handshake = Handshake(
             global_rank=_global_rank(),
             digest=structure_digest(plan.items, self.state_dict, self.mappings, self.meshes),
-            not_derivable=self.meshes.not_derivable(plan.items, self.state_dict),
+            not_derivable=doubt,
             checksums=replica_checksums(plan.items, self.state_dict, self.verify_replicas),
-            mappings=None if self.derive_metadata else self.mappings)
-        if self.derive_metadata:
-            self.plan = SavePlan([], planner_data=handshake)
-        else:  # the owned path: this rank's shards and every plain item it holds
+            mappings=self.mappings if send_owned else None, sent_owned=send_owned)
+        if send_owned:  # this rank's shards and every plain item it holds
             plain = [i for i in plan.items if i.type != WriteItemType.SHARD]
             self.plan = SavePlan(self.owned_shards + plain, planner_data=handshake)
+        else:
+            self.plan = SavePlan([], planner_data=handshake)
         return self.plan
 
     # -- rank 0: global plan ---------------------------------------------------------------
@@ -145,7 +156,12 @@ class ScalableSavePlanner(DefaultSavePlanner):
         if not all(isinstance(h, Handshake) for h in handshakes):
             raise NotDerivable("every rank of this save must use ScalableSavePlanner (a rank sent a stock plan)")
         check_replicas(handshakes)
-        if self.derive_metadata:
+        owned = all(h.sent_owned for h in handshakes)
+        if owned and self.derive_metadata:
+            log.warning("ScalableSavePlanner: rank 0 cannot derive this save's metadata (%s); every rank sent "
+                        "its owned items instead, so the save takes the owned path, at stock's cost",
+                        next((h.not_derivable for h in handshakes if h.not_derivable), "?"))
+        if not owned:
             self.check_handshakes(handshakes)
             metadata, mappings = self.derived_metadata(), self.mappings
             plain = [i for i in self.local_items if i.type != WriteItemType.SHARD]
@@ -407,6 +423,16 @@ class MeshIndex:
             if (tuple(chunk.offsets), tuple(chunk.sizes)) != expected:
                 return f"{fqn}'s chunk {tuple(chunk.offsets)}+{tuple(chunk.sizes)} is not torch's {expected}"
         return None
+
+    def not_whole_world(self, items: list[WriteItem], state_dict: dict) -> str | None:
+        """Why rank 0 could not derive a DTensor on a mesh other than the whole default group
+        (e.g. a sub-mesh), as this rank sees it; None when every mesh is the whole world."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        outside = self.meshes_not_spanning(set(range(dist.get_world_size())), items, state_dict)
+        return None if outside is None else f"{outside} is on a mesh that is not the whole world"
 
     @staticmethod
     def meshes_not_spanning(ranks: set[int], items: list[WriteItem], state_dict: dict) -> str | None:
