@@ -262,13 +262,17 @@ def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit
 
 # -- ScalableCheckpointing on real gloo ranks, with a stand-in accelerator (jobs/checkpointing_job.py)
 
+KNOBS = {"CKPTDOCTOR_GROUP_TIMEOUT_S": "300", "CKPTDOCTOR_LOST_RANK_S": "6"}
+
+
 def checkpoint_job(tmp_path, fault, target=-1, world=4, **launch_kwargs):
     from ckptdoctor.repro.launcher import launch
 
     out = tmp_path / fault
     out.mkdir(exist_ok=True)
+    env = {**KNOBS, **launch_kwargs.pop("env", {})}  # the job passes no keyword: the environment tunes it
     result = launch([str(JOBS / "checkpointing_job.py"), str(out), fault, str(target)], world, out / "job.log",
-                    timeout_s=300, **launch_kwargs)
+                    timeout_s=300, env=env, **launch_kwargs)
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return result, {r["rank"]: r for r in reports}, out
 
@@ -277,6 +281,7 @@ def checkpoint_job(tmp_path, fault, target=-1, world=4, **launch_kwargs):
 def test_a_save_publishes_one_complete_step(tmp_path):
     result, reports, out = checkpoint_job(tmp_path, "none")
     assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}
+    assert {tuple(r["settings"].values()) for r in reports.values()} == {(300.0, 6.0, "exit")}  # from KNOBS
     step = out / "ckpt" / "step-1" / "accelerator"
     assert is_complete(step) and find_latest(out / "ckpt", "accelerator") == step
     assert sorted(json.loads((step / COMPLETE_MARKER).read_text())["dcp_checkpoints"]) == \
@@ -298,6 +303,25 @@ def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_i
     assert result.wall_s < 120
     assert find_latest(out / "ckpt", "accelerator") is None
     assert not (out / "ckpt" / "step-1" / "accelerator").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heartbeat", ["process", "thread"])
+def test_a_rank_busy_holding_the_gil_past_the_window_is_alive_with_the_process_heartbeat(tmp_path, heartbeat):
+    """Rank 2's main thread keeps the GIL for 10 s in its local plan, the lost-rank window is
+    6 s. Its heartbeat thread cannot post; its forked child (the default) does, and the save
+    completes. With the thread alone (CKPTDOCTOR_HEARTBEAT=thread) the job would die of it:
+    the report's symptom with a new cause, shown here so that this test can fail."""
+    from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
+
+    env = {"HOLD_GIL_S": "10", "CKPTDOCTOR_HEARTBEAT": heartbeat}
+    result, reports, out = checkpoint_job(tmp_path, "gil", target=2, env=env, grace_s=60)
+    if heartbeat == "process":
+        assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}
+        assert is_complete(out / "ckpt" / "step-1" / "accelerator")
+    else:
+        assert EXIT_LOST_RANK in result.returncodes and "rank(s) 2 stopped answering" in (out / "job.log").read_text()
+        assert find_latest(out / "ckpt", "accelerator") is None
 
 
 @pytest.mark.slow
@@ -346,7 +370,7 @@ def test_two_saves_of_one_step_at_once_leave_one_complete_checkpoint(tmp_path):
     def job(name):
         results[name] = launch([str(JOBS / "checkpointing_job.py"), str(tmp_path / name), "none"], 2,
                                tmp_path / name / "job.log", timeout_s=300,
-                               env={"CKPTDOCTOR_TEST_CKPT_ROOT": str(tmp_path / "shared")})
+                               env={**KNOBS, "CKPTDOCTOR_TEST_CKPT_ROOT": str(tmp_path / "shared")})
     threads = [threading.Thread(target=job, args=(n,)) for n in ("a", "b")]
     [t.start() for t in threads]
     [t.join() for t in threads]

@@ -9,6 +9,8 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     none         one save, published
     sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished
     exit         rank RANK exits (os._exit) in its local plan
+    gil          rank RANK's main thread holds the GIL for HOLD_GIL_S seconds in its local plan
+                 (busy, not lost: a long pickle or native call), then the save goes on
     bound        the accelerator's dcp.save was bound before ckptdoctor could wrap it
     blind        rank RANK does not see the newest checkpoint (a stale NFS view), at resume
     load-PROBLEM save one step, then load it back with load_state after rank 0 damaged it:
@@ -116,6 +118,16 @@ def save_then_load(ckpt, accelerator, root: Path, problem: str, report: dict) ->
     report["indexed"] = sorted(p.parent.name for p in state_dir.glob("*/.ckptdoctor-index"))
 
 
+def hold_the_gil(seconds: float) -> None:
+    """Pure Python with a switch interval longer than the hold: no other thread of this
+    process (the heartbeat thread) runs until it ends."""
+    sys.setswitchinterval(seconds * 10)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    sys.setswitchinterval(0.005)
+
+
 def stop_in_planning(rank: int, how: str) -> None:
     original = DefaultSavePlanner.create_local_plan
 
@@ -124,6 +136,8 @@ def stop_in_planning(rank: int, how: str) -> None:
             Path(OUT, "fault_at").write_text(repr(time.time()))
             if how == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif how == "gil":
+                hold_the_gil(float(os.environ["HOLD_GIL_S"]))
             else:
                 os._exit(9)
         return original(self)
@@ -141,9 +155,11 @@ def main() -> int:
     rank = dist.get_rank()
     report = {"rank": rank, "fault": fault}
     accelerator = StandInAccelerator(bound=fault == "bound")
-    ckpt = ScalableCheckpointing(accelerator, timeout_s=300, lost_rank_s=6.0)
+    ckpt = ScalableCheckpointing(accelerator)  # its timeout and lost-rank window: from the test's environment
+    report["settings"] = {"timeout_s": ckpt.settings.timeout_s, "lost_rank_s": ckpt.settings.lost_rank_s,
+                          "on_lost_rank": ckpt.settings.on_lost_rank}
     try:
-        if fault in ("sigstop", "exit"):
+        if fault in ("sigstop", "exit", "gil"):
             stop_in_planning(target, fault)
         if fault == "blind":
             ckpt.save_state(root / "step-1" / "accelerator")

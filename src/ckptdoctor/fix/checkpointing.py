@@ -49,11 +49,12 @@ from pathlib import Path
 from ..errors import CkptDoctorError
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
 from .compat import check_versions
-from .heartbeat import LOST_RANK_S, Heartbeat, _exit_lost, _log_lost, job_store, store_host
+from .heartbeat import Heartbeat, _exit_lost, _log_lost, job_store, store_host
 from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
 from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
+from .settings import Settings
 from .publish import (INCOMPLETE, Staging, complete_steps, counts_as_checkpoint, new_token, publish,
                       remove_leftovers, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
@@ -67,25 +68,34 @@ class ScalableCheckpointing:
 
     `verify_replicas`: passed to the planner (check that replicated tensors hold the same
     values on every rank before saving them once). `lost_rank_s` / `on_lost_rank` ("exit" or
-    "log"): what to do about a rank that stops answering.
+    "log"): what to do about a rank that stops answering. `timeout_s`, `lost_rank_s`,
+    `on_lost_rank`, `heartbeat` and `log_level` left as None come from the environment (settings.py), else
+    their defaults (3 h, 300 s, "exit", "process", unchanged), so a patched trainer is tuned without edits.
 
     Every step that can fail on some ranks only ends in a collective carrying its outcome
     (agreement.py): a failure anywhere is the same CheckpointAborted on every rank."""
 
-    def __init__(self, accelerator, timeout_s: float = 3 * 3600.0, group=None, *, verify_replicas=False,
-                 lost_rank_s: float = LOST_RANK_S, on_lost_rank: str = "exit"):
+    def __init__(self, accelerator, timeout_s: float | None = None, group=None, *, verify_replicas=False,
+                 lost_rank_s: float | None = None, on_lost_rank: str | None = None, heartbeat: str | None = None,
+                 log_level: str | None = None):
         import torch.distributed as dist
 
         check_versions()
-        if on_lost_rank not in ("exit", "log"):
-            raise CkptDoctorError(f"on_lost_rank must be 'exit' or 'log', not {on_lost_rank!r}")
+        self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
+                                         heartbeat=heartbeat, log_level=log_level)
+        self.settings.apply_log_level()
         self.accelerator = accelerator
-        self.group = group or dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = group or dist.new_group(backend="gloo",
+                                             timeout=datetime.timedelta(seconds=self.settings.timeout_s))
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.verify_replicas = verify_replicas
+        lost = _exit_lost if self.settings.on_lost_rank == "exit" else _log_lost
         self.heartbeat = Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
-                                   lost_after_s=lost_rank_s, on_lost=_exit_lost if on_lost_rank == "exit" else _log_lost)
+                                   lost_after_s=self.settings.lost_rank_s, on_lost=lost,
+                                   use_process=self.settings.heartbeat == "process")
         self._open: dict[Path, Staging] = {}
+        if self.rank == 0:
+            log.info("ScalableCheckpointing on %d ranks: %s", self.world_size, self.settings.describe())
 
     # -- publication ----------------------------------------------------------------------
     def begin(self, final_dir: str | os.PathLike) -> Path:

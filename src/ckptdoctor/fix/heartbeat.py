@@ -1,14 +1,20 @@
 """Liveness during a checkpoint: heartbeats on the job's TCP store.
 
 When a rank dies, the others name it; when a rank stops answering without closing its
-connections (a lost node), rank 0 notices within `lost_after_s` and every rank leaves with
-EXIT_LOST_RANK instead of waiting out the checkpoint group's timeout.
+connections (a lost node, a frozen process), rank 0 notices within `lost_after_s` and every
+rank leaves with EXIT_LOST_RANK instead of waiting out the checkpoint group's timeout.
+
+A rank that is alive but busy is not lost. Its heartbeat is posted by a Python thread, which
+waits while the main thread holds the GIL (a long pickle, a long native call), and also by a
+forked child process (`ProcessBeat`) that asks the kernel whether the rank's process is still
+there and not stopped: either poster keeps the rank alive.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,7 +49,7 @@ class Heartbeat:
     So each rank makes O(1) store requests per interval, rank 0 one more."""
 
     def __init__(self, store, prefix: str, rank: int, world_size: int, interval_s: float = HEARTBEAT_S,
-                 lost_after_s: float = LOST_RANK_S, on_lost=None):
+                 lost_after_s: float = LOST_RANK_S, on_lost=None, use_process: bool = True):
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
         self.on_lost = on_lost or _log_lost
@@ -51,6 +57,7 @@ class Heartbeat:
         self.store_lost = False
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._child = ProcessBeat(store, self.key(rank), interval_s) if use_process else None
         self._post("idle")  # every key exists before any checkpoint: reading them never blocks
 
     def key(self, rank: int) -> str:
@@ -80,8 +87,12 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ckptdoctor-heartbeat", daemon=True)
         self._thread.start()
+        if self._child is not None:
+            self._child.start()
 
     def stop(self, aborted: bool = False) -> None:
+        if self._child is not None:
+            self._child.stop()  # before the last post: the child must not overwrite it
         if self._thread is not None:
             self._stop.set()
             self._thread.join(timeout=5)
@@ -132,6 +143,71 @@ class Heartbeat:
             return []
         return [r for r in range(self.world_size) if r != self.rank and after[r] == before[r]
                 and after[r].startswith("alive:")]
+
+
+class ProcessBeat:
+    """A forked child that posts "alive" on its parent's heartbeat key every interval while the
+    parent process exists and is not stopped (SIGSTOP, a debugger), as /proc says. It needs no
+    GIL of the parent's: a rank whose main thread is busy stays alive. It closes every inherited
+    descriptor (a dead rank's sockets close at once, as without it), talks to the store over a
+    connection of its own, and leaves when its parent is gone, stopped, or stops it."""
+
+    def __init__(self, store, key: str, interval_s: float):
+        self.store, self.key, self.interval_s = store, key, interval_s
+        self.pid: int | None = None
+
+    def start(self) -> None:
+        self.stop()
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: no logging, no threads, no return into the parent's code
+            code = 0
+            try:
+                self._post_while_running(parent)
+            except BaseException:  # noqa: BLE001 - the thread still posts; never raise in a fork
+                code = 1
+            os._exit(code)
+        self.pid = pid
+
+    def stop(self) -> None:
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self.pid = None
+
+    def _post_while_running(self, parent: int) -> None:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(devnull, fd)
+        os.closerange(3, _max_fd())
+        store, seq = self.store.clone(), 0
+        while os.getppid() == parent and process_state(parent) not in STOPPED_OR_GONE:
+            seq += 1
+            store.set(self.key, f"alive:p{seq}")
+            time.sleep(self.interval_s)
+
+
+STOPPED_OR_GONE = {"T", "t", "Z", "X", None}
+
+
+def process_state(pid: int) -> str | None:
+    """The process's state letter from /proc (R, S, D running or waiting; T stopped; Z gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _max_fd() -> int:
+    try:
+        return os.sysconf("SC_OPEN_MAX")
+    except (ValueError, OSError):
+        return 65536
 
 
 class Staleness:

@@ -1,0 +1,88 @@
+"""The fix's knobs, reachable without editing the trainer: keyword, else environment, else default.
+
+    CKPTDOCTOR_GROUP_TIMEOUT_S   the checkpoint group's gloo timeout          (default 10800 s, 3 h)
+    CKPTDOCTOR_LOST_RANK_S       a rank silent this long is taken as lost      (default 300 s)
+    CKPTDOCTOR_ON_LOST_RANK      "exit" (every rank exits 75) or "log"          (default exit)
+    CKPTDOCTOR_HEARTBEAT         "process": a forked child posts too, so a rank busy holding
+                                 the GIL stays alive; "thread": the Python thread only (default process)
+    CKPTDOCTOR_LOG_LEVEL         the level of the "ckptdoctor" loggers          (default: left as it is)
+
+A keyword given to `ScalableCheckpointing` wins over the environment. A value that cannot be
+used is refused at construction with one line naming the variable, before any group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from ..errors import CkptDoctorError
+from .heartbeat import LOST_RANK_S
+
+GROUP_TIMEOUT_S = 3 * 3600.0
+ON_LOST_RANK = ("exit", "log")
+HEARTBEAT = ("process", "thread")
+ENV = {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "CKPTDOCTOR_LOST_RANK_S",
+       "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
+       "log_level": "CKPTDOCTOR_LOG_LEVEL"}
+
+
+class BadSetting(CkptDoctorError):
+    """A knob's value cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    timeout_s: float = GROUP_TIMEOUT_S
+    lost_rank_s: float = LOST_RANK_S
+    on_lost_rank: str = "exit"
+    heartbeat: str = "process"
+    log_level: str | None = None
+    sources: tuple[tuple[str, str], ...] = ()  # (knob, "keyword" | variable name) for each one not defaulted
+
+    @classmethod
+    def resolve(cls, environ=None, **keywords) -> "Settings":
+        """Each knob from its keyword (when not None), else its variable, else its default."""
+        environ = os.environ if environ is None else environ
+        values, sources = {}, []
+        for knob, variable in ENV.items():
+            if keywords.get(knob) is not None:
+                values[knob], where = keywords[knob], "keyword"
+            elif environ.get(variable, "").strip():
+                values[knob], where = environ[variable].strip(), variable
+            else:
+                continue
+            values[knob] = _checked(knob, values[knob], where)
+            sources.append((knob, where))
+        return cls(**values, sources=tuple(sources))
+
+    def apply_log_level(self) -> None:
+        if self.log_level is not None:
+            logging.getLogger("ckptdoctor").setLevel(self.log_level)
+
+    def describe(self) -> str:
+        given = ", ".join(f"{knob} from {where}" for knob, where in self.sources) or "all defaults"
+        return (f"checkpoint group timeout {self.timeout_s:.0f} s, lost rank after {self.lost_rank_s:.0f} s "
+                f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat} ({given})")
+
+
+def _checked(knob: str, value, where: str):
+    name = "keyword " + knob if where == "keyword" else where
+    if knob in ("timeout_s", "lost_rank_s"):
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise BadSetting(f"{name}={value!r}: expected seconds, a positive number") from None
+        if not seconds > 0 or seconds == float("inf"):
+            raise BadSetting(f"{name}={value!r}: expected seconds, a positive number")
+        return seconds
+    if knob in ("on_lost_rank", "heartbeat"):
+        allowed = ON_LOST_RANK if knob == "on_lost_rank" else HEARTBEAT
+        if value not in allowed:
+            raise BadSetting(f"{name}={value!r}: expected one of {', '.join(allowed)}")
+        return value
+    level = str(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise BadSetting(f"{name}={value!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    return level

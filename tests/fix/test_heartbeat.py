@@ -1,0 +1,86 @@
+"""The heartbeat's second poster: a forked child that keeps a busy rank alive and leaves a frozen one."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from torch.distributed import PrefixStore, TCPStore
+
+from ckptdoctor.fix.heartbeat import ProcessBeat, process_state
+
+
+@pytest.fixture
+def store():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return PrefixStore("ckptdoctor-test", server)  # as the job's store: a prefix over TCP (clone keeps both)
+
+
+def seq(store, key) -> int:
+    return int(store.get(key).decode().split(":p")[1])
+
+
+def wait_for(condition, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def hold_the_gil(seconds: float) -> None:
+    """Pure Python with a switch interval longer than the wait: no other thread of this
+    process runs until it ends, as during a long pickle or a native call that keeps the GIL."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds * 10)
+    try:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_the_child_posts_while_the_main_thread_holds_the_gil_and_stops_when_told(store):
+    beat = ProcessBeat(store, "beat/0", interval_s=0.1)
+    beat.start()
+    try:
+        time.sleep(0.5)  # the child connects and posts
+        first = seq(store, "beat/0")
+        hold_the_gil(2.0)
+        during = seq(store, "beat/0") - first
+    finally:
+        beat.stop()
+    assert during >= 10, during  # ~20 posts in 2 s, none of which needed this process's GIL
+    last = seq(store, "beat/0")
+    time.sleep(0.4)
+    assert seq(store, "beat/0") == last and beat.pid is None  # stopped means no more posts
+
+
+def test_the_child_leaves_when_its_parent_is_stopped_and_when_it_is_gone(store, tmp_path):
+    """The parent is a real process that starts the child, then is frozen with SIGSTOP."""
+    port = store.underlying_store.port
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import time\nfrom torch.distributed import PrefixStore, TCPStore\n"
+        "from ckptdoctor.fix.heartbeat import ProcessBeat\n"
+        f"store = PrefixStore('ckptdoctor-test', TCPStore('127.0.0.1', {port}, is_master=False))\n"
+        "beat = ProcessBeat(store, 'beat/1', interval_s=0.1)\nbeat.start()\n"
+        "print(beat.pid, flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)
+        assert process_state(child) in ("S", "R") and seq(store, "beat/1") > 0
+        os.kill(parent.pid, signal.SIGSTOP)
+        assert wait_for(lambda: process_state(parent.pid) == "T")
+        assert wait_for(lambda: process_state(child) in ("Z", None))  # it left: a frozen rank's key goes stale
+        last = seq(store, "beat/1")
+        time.sleep(0.4)
+        assert seq(store, "beat/1") == last
+    finally:
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()

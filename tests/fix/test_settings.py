@@ -1,0 +1,52 @@
+"""The fix's knobs: keyword over environment over default, and one line for a value that cannot be used."""
+
+import logging
+
+import pytest
+
+from ckptdoctor.fix.heartbeat import LOST_RANK_S
+from ckptdoctor.fix.settings import GROUP_TIMEOUT_S, BadSetting, Settings
+
+
+def test_defaults_when_neither_keyword_nor_environment_sets_a_knob():
+    settings = Settings.resolve(environ={})
+    assert (settings.timeout_s, settings.lost_rank_s, settings.on_lost_rank, settings.heartbeat, settings.log_level) \
+        == (GROUP_TIMEOUT_S, LOST_RANK_S, "exit", "process", None) == (10800.0, 300.0, "exit", "process", None)
+    assert settings.describe().endswith("(all defaults)")
+
+
+def test_the_environment_sets_what_no_keyword_gives_and_a_keyword_wins():
+    environ = {"CKPTDOCTOR_GROUP_TIMEOUT_S": " 7200 ", "CKPTDOCTOR_LOST_RANK_S": "900",
+               "CKPTDOCTOR_ON_LOST_RANK": "log", "CKPTDOCTOR_HEARTBEAT": "thread", "CKPTDOCTOR_LOG_LEVEL": "debug"}
+    settings = Settings.resolve(environ=environ, lost_rank_s=60)
+    assert (settings.timeout_s, settings.lost_rank_s, settings.on_lost_rank, settings.heartbeat, settings.log_level) \
+        == (7200.0, 60.0, "log", "thread", "DEBUG")
+    assert dict(settings.sources) == {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "keyword",
+                                      "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
+                                      "log_level": "CKPTDOCTOR_LOG_LEVEL"}
+    assert "lost rank after 60 s -> log" in settings.describe()
+
+
+@pytest.mark.parametrize("environ, keywords, line", [
+    ({"CKPTDOCTOR_GROUP_TIMEOUT_S": "3h"}, {}, "CKPTDOCTOR_GROUP_TIMEOUT_S='3h': expected seconds, a positive number"),
+    ({"CKPTDOCTOR_LOST_RANK_S": "-5"}, {}, "CKPTDOCTOR_LOST_RANK_S='-5': expected seconds, a positive number"),
+    ({"CKPTDOCTOR_LOST_RANK_S": "nan"}, {}, "CKPTDOCTOR_LOST_RANK_S='nan': expected seconds, a positive number"),
+    ({"CKPTDOCTOR_ON_LOST_RANK": "kill"}, {}, "CKPTDOCTOR_ON_LOST_RANK='kill': expected one of exit, log"),
+    ({"CKPTDOCTOR_HEARTBEAT": "native"}, {}, "CKPTDOCTOR_HEARTBEAT='native': expected one of process, thread"),
+    ({}, {"on_lost_rank": "ignore"}, "keyword on_lost_rank='ignore': expected one of exit, log"),
+    ({"CKPTDOCTOR_LOG_LEVEL": "loud"}, {}, "CKPTDOCTOR_LOG_LEVEL='loud': expected DEBUG, INFO, WARNING, ERROR or CRITICAL"),
+])
+def test_a_value_that_cannot_be_used_is_refused_in_one_line_naming_it(environ, keywords, line):
+    with pytest.raises(BadSetting) as refused:
+        Settings.resolve(environ=environ, **keywords)
+    assert str(refused.value) == line
+
+
+def test_the_log_level_applies_to_every_ckptdoctor_logger():
+    logger = logging.getLogger("ckptdoctor")
+    before = logger.level
+    try:
+        Settings.resolve(environ={"CKPTDOCTOR_LOG_LEVEL": "INFO"}).apply_log_level()
+        assert logging.getLogger("ckptdoctor.checkpointing").getEffectiveLevel() == logging.INFO
+    finally:
+        logger.setLevel(before)
