@@ -28,7 +28,7 @@ def main() -> int:
     parser.add_argument("--out", help="append the summary here")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ckptdoctor-pr68-"))
-    code = Extract.find().copy_to(work / "mova-pr68", patched=False)
+    code = Extract.find().copy_to(work / "mova-pr68", integration=None)
     try:  # applied when every file the diff names changed, not because git exited 0
         apply_diff(code, Path(args.pr_diff))
     except PatchNotApplied as problem:

@@ -13,9 +13,9 @@ first use, so that ``import ckptdoctor`` (and the CLI's log diagnosis) costs no 
 """
 
 __version__ = "0.2.0"
-__all__ = ["ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing", "CheckpointAborted",
+__all__ = ["install", "ScalableSavePlanner", "ScalableFileSystemWriter", "ScalableCheckpointing", "CheckpointAborted",
            "SaveWatchdog"]
-_HOMES = {"ScalableSavePlanner": "planner", "ScalableFileSystemWriter": "storage",
+_HOMES = {"install": "install", "ScalableSavePlanner": "planner", "ScalableFileSystemWriter": "storage",
           "ScalableCheckpointing": "checkpointing", "CheckpointAborted": "agreement", "SaveWatchdog": "watchdog"}
 
 

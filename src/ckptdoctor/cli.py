@@ -48,7 +48,10 @@ def cmd_repro(args) -> int:
                               "--ranks, --cp and --no-offload are the look-alike trainer's (add --trainer lookalike)")
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, trainer=args.trainer, video_layers=args.layers,
                         output_dir=_writable_dir(args.out), deadline_s=args.deadline, attempts=args.attempts,
-                        offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract)
+                        offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract,
+                        integration=args.integration)
+    if args.integration != "full" and not args.fix:
+        raise CkptDoctorError("--integration chooses how the fix reaches MOVA's trainer: it needs --fix")
     if args.cp > 1 and args.deadline is None:
         raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
     json_path = args.json or str(opts.output_dir / ("fix-report.json" if args.fix else "report.json"))
@@ -143,6 +146,19 @@ def cmd_check(args) -> int:
     return 3 if result["warnings"] else 0
 
 
+def cmd_integrate(args) -> int:
+    from .integrate import AlreadyIntegrated, integrate
+
+    try:
+        placed = integrate(args.trainer, check_only=args.check)
+    except AlreadyIntegrated as done:
+        print(done)
+        return 0
+    verb = "would insert" if args.check else "inserted"
+    print(f"{verb} `ckptdoctor.install({placed.accelerator})` at {placed.describe()}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptdoctor",
@@ -173,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     repro.add_argument("--fix", action="store_true",
                        help="save with ScalableCheckpointing at the deadline that makes stock time out (the MOVA "
                             "trainer: with patches/mova-feat-npu.patch applied)")
+    repro.add_argument("--integration", choices=("full", "minimal"), default="full",
+                       help="with --fix on MOVA's trainer: full = patches/mova-feat-npu.patch (default); minimal = "
+                            "`ckptdoctor integrate` (one call after accelerator.prepare)")
     repro.add_argument("--extract", metavar="DIR", help="the MOVA extract (default $CKPTDOCTOR_MOVA_EXTRACT or "
                                                          "../shared/mova-feat-npu)")
     repro.add_argument("--no-offload", action="store_true", help="fsdp_offload_params false (the user runs with true)")
@@ -219,6 +238,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--warn-fraction", type=float, default=0.5, help="warn at this fraction (default 0.5)")
     check.add_argument("--json", metavar="PATH")
     check.set_defaults(func=cmd_check)
+
+    integ = sub.add_parser(
+        "integrate", help="the minimal integration: one call after accelerator.prepare in a trainer file",
+        description="Inserts `import ckptdoctor` and `ckptdoctor.install(<accelerator>)` right after the one "
+                    "statement that assigns a model from <accelerator>.prepare(...), found by the file's syntax tree "
+                    "(local lines elsewhere do not matter). Stops with one line, changing nothing, when there is no "
+                    "such statement or more than one, or the file does not parse.",
+        epilog="exit status: 0 inserted (or already there; with --check: it would be); 2 it cannot be placed with "
+               "certainty (add the lines by hand: docs/fix-for-mova.md)")
+    integ.add_argument("trainer", metavar="TRAINER.py", help="the file that calls accelerator.prepare (MOVA: "
+                                                             "mova/engine/trainer/accelerate/accelerate_trainer.py)")
+    integ.add_argument("--check", action="store_true", help="say where the lines would go; change nothing")
+    integ.set_defaults(func=cmd_integrate)
 
     diag = sub.add_parser(
         "diagnose", help="explain a failed save/load from torchrun or Accelerate logs",

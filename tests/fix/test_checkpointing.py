@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -283,6 +284,9 @@ def test_a_save_publishes_one_complete_step(tmp_path):
     assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}
     assert {tuple(r["settings"].values()) for r in reports.values()} == {(300.0, 6.0, "exit")}  # from KNOBS
     step = out / "ckpt" / "step-1" / "accelerator"
+    saved = [line for line in (out / "job.log").read_text().splitlines() if "ckptdoctor: saved " in line]
+    assert len(saved) == 1 and f"saved {step} in " in saved[0], saved  # one line, rank 0's, through logging
+    assert re.search(r"\(save_state \d+\.\d s.*\), 2 DCP checkpoint\(s\), \d+(\.\d)? K?B$", saved[0]), saved[0]
     assert is_complete(step) and find_latest(out / "ckpt", "accelerator") == step
     assert sorted(json.loads((step / COMPLETE_MARKER).read_text())["dcp_checkpoints"]) == \
         ["optimizer_0", "pytorch_model_fsdp_0"]
@@ -294,7 +298,7 @@ def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_i
     Before: the others waited for the checkpoint group's timeout (3 h by default)."""
     from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
 
-    result, reports, out = checkpoint_job(tmp_path, "sigstop", target=2, grace_s=60)
+    result, reports, out = checkpoint_job(tmp_path, "sigstop", target=2, grace_s=20)  # then the frozen one is killed
     survivors = [r for r in range(4) if r != 2]
     assert [result.returncodes[r] for r in survivors] == [EXIT_LOST_RANK] * 3, result.returncodes
     assert result.torn_down == [2]  # only the frozen one had to be killed
@@ -303,6 +307,23 @@ def test_a_frozen_rank_makes_every_other_rank_leave_within_seconds_and_nothing_i
     assert result.wall_s < 120
     assert find_latest(out / "ckpt", "accelerator") is None
     assert not (out / "ckpt" / "step-1" / "accelerator").exists()
+
+
+@pytest.mark.slow
+def test_after_install_the_accelerators_own_save_and_load_go_through_the_fix(tmp_path):
+    """The minimal integration on real gloo ranks: the stand-in accelerator's own save_state
+    publishes a complete, indexed checkpoint on the checkpoint group, and its load_state reads it back."""
+    result, reports, out = checkpoint_job(tmp_path, "installed")
+    assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}, reports
+    step = out / "ckpt" / "step-1" / "accelerator"
+    assert all(r["install_twice_same"] and r["returned"] == str(step) and r["state_is_the_saved_one"]
+               for r in reports.values())
+    assert is_complete(step) and sorted(p.parent.name for p in step.glob("*/.ckptdoctor-index")) == \
+        ["optimizer_0", "pytorch_model_fsdp_0"]  # written by the fix's writer
+    log = (out / "job.log").read_text()
+    assert log.count(f"ckptdoctor: saved {step} in ") == log.count(f"ckptdoctor: loaded {step} in ") == 1
+    assert reports[0]["no_dir"] == ("CkptDoctorError: ckptdoctor.install: save_state() needs an output_dir "
+                                    "(Accelerate's automatic checkpoint naming is not supported); nothing was saved")
 
 
 @pytest.mark.slow

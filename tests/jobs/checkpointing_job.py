@@ -7,6 +7,7 @@ and optimizer with FileSystemWriter(dir) and DefaultSavePlanner(), then per-rank
 states), so ScalableCheckpointing is exercised on real gloo ranks without an FSDP model.
 FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     none         one save, published
+    installed    ckptdoctor.install(accelerator), then the accelerator's own save_state and load_state
     sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished
     exit         rank RANK exits (os._exit) in its local plan
     gil          rank RANK's main thread holds the GIL for HOLD_GIL_S seconds in its local plan
@@ -40,6 +41,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from ckptdoctor.fix import checkpointing
 from ckptdoctor.fix.checkpointing import ScalableCheckpointing
+from ckptdoctor.fix.install import install
 
 BOUND_SAVE = dcp.save  # what a module that did `from torch.distributed.checkpoint import save` holds
 
@@ -155,7 +157,8 @@ def main() -> int:
     rank = dist.get_rank()
     report = {"rank": rank, "fault": fault}
     accelerator = StandInAccelerator(bound=fault == "bound")
-    ckpt = ScalableCheckpointing(accelerator)  # its timeout and lost-rank window: from the test's environment
+    # its timeout and lost-rank window: from the test's environment
+    ckpt = install(accelerator) if fault == "installed" else ScalableCheckpointing(accelerator)
     report["settings"] = {"timeout_s": ckpt.settings.timeout_s, "lost_rank_s": ckpt.settings.lost_rank_s,
                           "on_lost_rank": ckpt.settings.on_lost_rank}
     try:
@@ -176,6 +179,16 @@ def main() -> int:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 publishing.json.dump = full_disk
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
+        elif fault == "installed":  # the minimal integration: the accelerator's own methods, after install()
+            report["install_twice_same"] = install(accelerator) is ckpt
+            step = root / "step-1" / "accelerator"
+            report["returned"] = accelerator.save_state(str(step))
+            accelerator.load_state(str(step))  # zeroes the state first, then loads
+            report["state_is_the_saved_one"] = accelerator.state_is_the_saved_one()
+            try:
+                accelerator.save_state()
+            except Exception as error:  # noqa: BLE001 - the one line is the test's subject
+                report["no_dir"] = f"{type(error).__name__}: {error}"
         elif fault.startswith("load-"):
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:

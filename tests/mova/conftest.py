@@ -20,5 +20,5 @@ def extract() -> Extract:
 def mova_copies(extract, tmp_path_factory):
     """Scratch copies of MOVA's code: {"stock": unpatched, "patched": with patches/mova-feat-npu.patch}."""
     root = tmp_path_factory.mktemp("mova-code")
-    return {"stock": extract.copy_to(root / "stock", patched=False),
-            "patched": extract.copy_to(root / "patched", patched=True)}
+    return {"stock": extract.copy_to(root / "stock", integration=None),
+            "patched": extract.copy_to(root / "patched", integration="full")}

@@ -8,6 +8,7 @@ for, and these jobs take about a quarter of the suite's time."""
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,10 +38,10 @@ def why(report: dict) -> str:
                       indent=1, default=str)
 
 
-def reproduction(extract, tmp_path_factory, mode, fix=False, deadline_s=None):
+def reproduction(extract, tmp_path_factory, mode, fix=False, deadline_s=None, integration="full"):
     out = tmp_path_factory.mktemp(f"mova-{mode}{'-fixed' if fix else ''}")
     return reproduce(ReproOptions(trainer="mova", mode=mode, output_dir=out, fix=fix, deadline_s=deadline_s,
-                                  extract=str(extract.path)), progress=lambda _: None)
+                                  extract=str(extract.path), integration=integration), progress=lambda _: None)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,10 @@ def sft_fixed(readme_fix):
 
 @pytest.fixture(scope="module")
 def lora_fixed(lora, extract, tmp_path_factory):
-    return reproduction(extract, tmp_path_factory, "lora", fix=True, deadline_s=lora["deadline_ms"] / 1000)
+    """The minimal integration (`ckptdoctor integrate`: one call after accelerator.prepare) on LoRA;
+    the README's `repro --fix` runs the full patch on SFT: each level at a deadline that broke stock."""
+    return reproduction(extract, tmp_path_factory, "lora", fix=True, deadline_s=lora["deadline_ms"] / 1000,
+                        integration="minimal")
 
 
 # -- the README's commands, as a user runs them ------------------------------------------------
@@ -161,10 +165,15 @@ def test_patched_mova_saves_at_the_deadline_that_broke_it(which, request):
     assert fixed["gloo_error"] is None and set(fixed["rank_status"].values()) == {"ok"}
     assert fixed["save_ok"] is True and fixed["roundtrip_bitexact"] is True
     save_path = Path(fixed["checkpoint_dir"]).parent.parent
-    for step in ("step-4", "final"):  # MOVA saves at the interval and at the end: both published whole
-        assert is_complete(save_path / step), step
-        marker = json.loads((save_path / step / COMPLETE_MARKER).read_text())
-        assert sorted(marker["dcp_checkpoints"]) == ["accelerator/optimizer_0", "accelerator/pytorch_model_fsdp_0"]
+    # the full patch publishes each step directory whole; the minimal integration, each Accelerate directory
+    published, listed = {"full": ("", ["accelerator/optimizer_0", "accelerator/pytorch_model_fsdp_0"]),
+                         "minimal": ("accelerator", ["optimizer_0", "pytorch_model_fsdp_0"])}[fixed["integration"]]
+    assert fixed["integration"] == {"sft": "full", "lora": "minimal"}[which]
+    for step in ("step-4", "final"):  # MOVA saves at the interval and at the end
+        assert is_complete(save_path / step / published), step
+        marker = json.loads((save_path / step / published / COMPLETE_MARKER).read_text())
+        assert sorted(marker["dcp_checkpoints"]) == listed
+        assert not [p for p in (save_path / step).iterdir() if INCOMPLETE in p.name]
     assert not [p for p in save_path.iterdir() if INCOMPLETE in p.name]
 
 
@@ -232,3 +241,17 @@ def test_a_checkpoint_of_the_unpatched_trainer_still_resumes_with_the_patch(mova
     resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "sft", 8, save_path=stock.save_path)
     assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
     assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
+
+
+def test_rollback_unpatched_mova_resumes_what_the_patched_trainer_saved_bit_for_bit(mova_copies, straight, tmp_path):
+    """The rollback the guide describes: remove the fix, keep the checkpoints. Stock MOVA (stock
+    accelerator.load_state, its own directory scan) resumes step-4 of the patched run and repeats
+    the uninterrupted run's losses and RNG states exactly."""
+    save_path = tmp_path / "checkpoints"
+    shutil.copytree(straight["sft"].save_path / "step-4", save_path / "step-4")  # the patched trainer's step
+    assert is_complete(save_path / "step-4") and list(save_path.glob("step-4/accelerator/*/.ckptdoctor-index"))
+    resumed = mova_job(mova_copies["stock"], tmp_path / "resumed", "sft", 8, save_path=save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    assert "[Resume] Loaded from " + str(save_path / "step-4") + ", step=4" in resumed.log_path.read_text()
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
+    assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]

@@ -11,7 +11,7 @@ from ckptdoctor.repro.mova.job import COMMIT, PATCH, PATCHED_FILES, TRAINER, Ext
 
 
 def test_the_patch_applies_to_movas_extract_and_stays_small(extract, tmp_path):
-    copy = extract.copy_to(tmp_path / "mova", patched=False)
+    copy = extract.copy_to(tmp_path / "mova", integration=None)
     apply_patch(copy, check_only=True)  # git apply --check
     changed = [line for line in PATCH.read_text().splitlines()
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
@@ -27,7 +27,7 @@ def test_a_copy_inside_a_git_work_tree_is_patched_and_checked_by_its_content(ext
     """`ckptdoctor repro --fix` copies MOVA under the checkout's runs/, where a plain `git apply`
     skipped every file and exited 0: the copy must hold the patched trainer, by its sha256."""
     subprocess.run(["git", "init", "--quiet", str(tmp_path)], check=True)
-    copy = extract.copy_to(tmp_path / "runs" / "repro" / "mova-patched", patched=True)
+    copy = extract.copy_to(tmp_path / "runs" / "repro" / "mova-patched", integration="full")
     assert hashlib.sha256((copy / TRAINER).read_bytes()).hexdigest() == PATCHED_FILES[str(TRAINER)]
     assert "self.ckpt.save_state(" in (copy / TRAINER).read_text()
 
@@ -55,7 +55,7 @@ def test_an_extract_at_another_commit_or_edited_is_refused(extract, tmp_path):
 
 
 def test_a_patch_that_no_longer_applies_is_one_clear_line(extract, tmp_path):
-    copy = extract.copy_to(tmp_path / "mova", patched=True)
+    copy = extract.copy_to(tmp_path / "mova", integration="full")
     with pytest.raises(ExtractProblem, match=f"{PATCH.name} does not apply to .*: error: patch failed"):
         apply_patch(copy)  # already applied: the hunks no longer match
 

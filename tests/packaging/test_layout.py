@@ -28,13 +28,18 @@ def test_import_ckptdoctor_loads_no_lab_no_plotting_and_not_even_torch():
 
 def test_the_trainer_facing_names_come_from_the_fix_alone():
     loaded = modules_after("from ckptdoctor import ScalableSavePlanner, ScalableFileSystemWriter, "
-                           "ScalableCheckpointing, SaveWatchdog")
+                           "ScalableCheckpointing, SaveWatchdog, install")
     ours = {m for m in loaded if m.startswith("ckptdoctor")}
     assert not [m for m in ours if m.startswith(LAB)]
     assert {"ckptdoctor.fix.planner", "ckptdoctor.fix.storage", "ckptdoctor.fix.checkpointing",
-            "ckptdoctor.fix.watchdog"} <= ours
+            "ckptdoctor.fix.watchdog", "ckptdoctor.fix.install"} <= ours
     assert not [m for m in loaded if m.split(".")[0] in TOOLS]
     assert "torch" in loaded  # the fix is DCP's extension points: it does need torch
+
+
+def test_the_integration_tool_needs_no_torch():
+    loaded = modules_after("from ckptdoctor.integrate import integrate")
+    assert "torch" not in loaded and not [m for m in loaded if m.startswith(LAB + ("ckptdoctor.fix",))]
 
 
 def test_log_diagnosis_needs_no_torch():

@@ -44,6 +44,7 @@ import datetime
 import functools
 import logging
 import os
+import time
 from pathlib import Path
 
 from ..errors import CkptDoctorError
@@ -55,6 +56,7 @@ from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
 from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
 from .settings import Settings
+from .summary import OperationRecord, make_visible
 from .publish import (INCOMPLETE, Staging, complete_steps, counts_as_checkpoint, new_token, publish,
                       remove_leftovers, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
@@ -84,7 +86,10 @@ class ScalableCheckpointing:
         self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
                                          heartbeat=heartbeat, log_level=log_level)
         self.settings.apply_log_level()
+        make_visible()
         self.accelerator = accelerator
+        # Accelerate's own methods, kept: install() puts this object's in their place on the instance
+        self._accelerate_save_state, self._accelerate_load_state = accelerator.save_state, accelerator.load_state
         self.group = group or dist.new_group(backend="gloo",
                                              timeout=datetime.timedelta(seconds=self.settings.timeout_s))
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
@@ -94,6 +99,7 @@ class ScalableCheckpointing:
                                    lost_after_s=self.settings.lost_rank_s, on_lost=lost,
                                    use_process=self.settings.heartbeat == "process")
         self._open: dict[Path, Staging] = {}
+        self._record = OperationRecord()
         if self.rank == 0:
             log.info("ScalableCheckpointing on %d ranks: %s", self.world_size, self.settings.describe())
 
@@ -123,6 +129,8 @@ class ScalableCheckpointing:
             self.heartbeat.stop(aborted=True)
             raise
         self.heartbeat.stop()
+        if self.rank == 0:
+            log.info(self._record.line("saved", opened.final))
         return opened.final
 
     @contextlib.contextmanager
@@ -134,26 +142,27 @@ class ScalableCheckpointing:
         self.commit(staging)
 
     # -- save / load ----------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike) -> Path:
-        """Accelerate's save_state with the fix. Inside an open `begin`, it writes in place
-        (published by `commit`); otherwise it publishes `output_dir` atomically itself."""
+    def save_state(self, output_dir: str | os.PathLike, **accelerate_kwargs) -> Path:
+        """Accelerate's save_state with the fix (its other arguments passed on). Inside an open
+        `begin`, it writes in place (published by `commit`); otherwise it publishes `output_dir`
+        atomically itself."""
         target = Path(output_dir)
         opened = self._staging_of(target)
         if opened is not None:
             with self._aborting(opened.staging()):
-                self._save(opened, target)
+                self._save(opened, target, accelerate_kwargs)
             return target
         with self.publishing(target) as staging:
-            self._save(self._open[staging], staging)
+            self._save(self._open[staging], staging, accelerate_kwargs)
         return target
 
-    def _save(self, opened: Staging, directory: Path) -> None:
+    def _save(self, opened: Staging, directory: Path, accelerate_kwargs: dict) -> None:
         def save():
             with self._dcp_on_checkpoint_group(opened, directory):
-                self.accelerator.save_state(str(directory))
+                self._accelerate_save_state(str(directory), **accelerate_kwargs)
         self._every_rank_agrees("save_state", save)
 
-    def load_state(self, input_dir: str | os.PathLike) -> None:
+    def load_state(self, input_dir: str | os.PathLike, **accelerate_kwargs) -> None:
         """Accelerate's load_state with the fix, from a complete checkpoint only (every rank
         must see it complete; rank 0 checks its data files and index first)."""
         path = Path(input_dir)
@@ -163,16 +172,18 @@ class ScalableCheckpointing:
             verdict = self._rank0_decides("check the data files", lambda: prepare_for_load(path))
             if verdict != "ok":
                 raise CheckpointAborted(f"not loading {path}: {verdict}")
-            self._every_rank_agrees("load_state", lambda: self._load(path))
+            self._every_rank_agrees("load_state", lambda: self._load(path, accelerate_kwargs))
         except BaseException:
             self.heartbeat.stop(aborted=True)
             raise
         self.heartbeat.stop()
+        if self.rank == 0:
+            log.info(self._record.line("loaded", path))
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path, accelerate_kwargs: dict) -> None:
         with self._dcp_on_checkpoint_group(None, path):
             try:
-                self.accelerator.load_state(str(path))
+                self._accelerate_load_state(str(path), **accelerate_kwargs)
             except BaseException as error:
                 if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or not hasattr(error, "failures"):
                     raise
@@ -205,6 +216,7 @@ class ScalableCheckpointing:
         if self.rank == 0:
             token = new_token()
             self.heartbeat.open_verdict(token)
+        self._record = OperationRecord()
         token = self._broadcast(token)
         self.heartbeat.start(token)
         return token
@@ -243,9 +255,11 @@ class ScalableCheckpointing:
 
     @contextlib.contextmanager
     def _step(self, what: str):
-        """Turn a peer's disappearance during `what` into one CheckpointAborted naming it."""
+        """Turn a peer's disappearance during `what` into one CheckpointAborted naming it; time it."""
+        started = time.monotonic()
         try:
             yield
+            self._record.add(what, time.monotonic() - started)
         except CkptDoctorError:
             raise
         except BaseException as error:  # DCP wraps per-rank failures in CheckpointException (a BaseException)
@@ -269,7 +283,7 @@ class ScalableCheckpointing:
         from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
 
         original_save, original_load = dcp.save, dcp.load
-        group, verify = self.group, self.verify_replicas
+        group, verify, record = self.group, self.verify_replicas, self._record
 
         @functools.wraps(original_save)
         def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, **kwargs):
@@ -285,14 +299,17 @@ class ScalableCheckpointing:
             kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                            process_group=process_group or group)
             try:
-                return original_save(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
+                result = original_save(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
             except BaseException as error:
                 if not _failed_with(error, NotDerivable):
                     raise
                 log.warning("ckptdoctor: rank 0 could not derive this save's metadata (%s); saving on the owned path",
                             _first_failure(error))
-                return original_save(state_dict, planner=ScalableSavePlanner(derive_metadata=False,
-                                                                             verify_replicas=verify), **kwargs)
+                result = original_save(state_dict, planner=ScalableSavePlanner(derive_metadata=False,
+                                                                               verify_replicas=verify), **kwargs)
+            record.checkpoints += 1
+            record.bytes_written += getattr(storage_writer, "bytes_written", 0)  # rank 0's writer knows them all
+            return result
 
         @functools.wraps(original_load)
         def load(state_dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,

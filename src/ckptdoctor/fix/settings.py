@@ -5,7 +5,7 @@
     CKPTDOCTOR_ON_LOST_RANK      "exit" (every rank exits 75) or "log"          (default exit)
     CKPTDOCTOR_HEARTBEAT         "process": a forked child posts too, so a rank busy holding
                                  the GIL stays alive; "thread": the Python thread only (default process)
-    CKPTDOCTOR_LOG_LEVEL         the level of the "ckptdoctor" loggers          (default: left as it is)
+    CKPTDOCTOR_LOG_LEVEL         the level of the "ckptdoctor" loggers          (default INFO, summary.py)
 
 A keyword given to `ScalableCheckpointing` wins over the environment. A value that cannot be
 used is refused at construction with one line naming the variable, before any group exists.

@@ -54,6 +54,8 @@ class ScalableFileSystemWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list) -> None:
+        self.bytes_written = sum(sum(r.length) if isinstance(r, WrittenItems) else sum(w.size_in_bytes for w in r)
+                                 for r in results)  # rank 0: for the one line per save (summary.py)
         if results and all(isinstance(r, WrittenItems) for r in results):
             _raise_on(columns_coverage_problems(metadata, results))
             written = _with_storage_columns(metadata, StorageColumns(results, metadata))

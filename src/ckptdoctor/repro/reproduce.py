@@ -59,6 +59,7 @@ class ReproOptions:
     output_dir: Path = Path("runs/repro")
     deadline_s: float | None = None     # None: chosen from the calibration run
     fix: bool = False
+    integration: str = "full"           # with fix, on MOVA's trainer: "full" (the patch) or "minimal" (integrate)
     offload_params: bool = True
     cp_size: int = 1
     attempts: int = 3
@@ -143,14 +144,15 @@ class MovaTrainer:
             saves: int = 1) -> JobOutcome:
         from .mova.job import MovaRun, run_mova
 
-        if fix not in self.copies:
-            self.copies[fix] = self.extract.copy_to(Path(self.opts.output_dir) / ("mova-patched" if fix else "mova"),
-                                                    patched=fix)
+        integration = self.opts.integration if fix else None
+        if integration not in self.copies:
+            copy = {None: "mova", "full": "mova-patched", "minimal": "mova-integrated"}[integration]
+            self.copies[integration] = self.extract.copy_to(Path(self.opts.output_dir) / copy, integration)
         # MOVA saves at step 4 (save_interval) and again at the end ("final"): two saves
         run = MovaRun(mode=self.opts.mode, world_size=self.opts.world_size, video_layers=self.opts.layers,
                       max_steps=4, save_interval=4, roundtrip=fix, job_timeout_s=self.opts.job_timeout_s)
         root = Path(self.opts.output_dir) / name
-        out = run_mova(run, self.copies[fix], root, deadline_s, time_collectives=time_collectives, progress=progress)
+        out = run_mova(run, self.copies[integration], root, deadline_s, time_collectives=time_collectives, progress=progress)
         first = out.save_path / "step-4"
         staged = sorted(out.save_path.glob("step-4.incomplete-*")) if not first.exists() else []
         checkpoint = (staged[0] if staged else first) / "accelerator"
@@ -181,7 +183,12 @@ def trainer_for(opts: ReproOptions, progress=print):
             opts.trainer = "lookalike"
         else:
             progress("[trainer] MOVA's own trainer (accelerate_train.py -> AccelerateTrainer), from its extract")
-    return MovaTrainer(opts) if opts.trainer == "mova" else LookAlikeTrainer(opts)
+    if opts.trainer == "mova":
+        return MovaTrainer(opts)
+    if opts.fix and opts.integration != "full":
+        raise CkptDoctorError("--integration minimal runs on MOVA's trainer (its extract is needed); the look-alike "
+                              "saves through ScalableCheckpointing directly")
+    return LookAlikeTrainer(opts)
 
 
 # -- calibration: the waits, worst case over the calibration run's saves ---------------------
@@ -317,6 +324,7 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
     return {
         "reproduced": reproduced and not opts.fix,
         "fix": opts.fix, "trainer": opts.trainer, "layers": opts.layers,
+        "integration": opts.integration if opts.fix and opts.trainer == "mova" else None,
         "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
         "save_ok": save_ok,
         "fixed": opts.fix and save_ok and bitexact is True,
@@ -434,13 +442,17 @@ def reproduce(opts: ReproOptions, progress=print, trainer=None) -> dict:
 
 # -- the report as text -------------------------------------------------------------------------
 
+INTEGRATION_NAMES = {"full": " (MOVA patched: patches/mova-feat-npu.patch)",
+                     "minimal": " (MOVA integrated: ckptdoctor integrate, one call after accelerator.prepare)"}
+
 def format_report(report: dict) -> str:
     """The human-readable summary printed by `ckptdoctor repro`."""
     lines = []
     who = f"{'MOVA' if report['trainer'] == 'mova' else 'look-alike'} trainer"
     if report["fix"]:
         lines.append(f"{'FIXED' if report['fixed'] else 'FIX FAILED'}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
-                     f"torch {report['torch']}, accelerate {report['accelerate']}, ScalableCheckpointing; the default "
+                     f"torch {report['torch']}, accelerate {report['accelerate']}, ScalableCheckpointing"
+                     f"{INTEGRATION_NAMES.get(report.get('integration'), '')}; the default "
                      f"group keeps the {report['deadline_ms']} ms deadline that made stock time out, saves run on a "
                      f"checkpoint group with its own timeout")
         lines.append(f"  saves completed on every rank: {report['save_ok']}" + (

@@ -2,7 +2,7 @@
 in MOVA's format, and `accelerate launch` with MOVA's own accelerate config.
 
     extract = Extract.find()                              # ../shared/mova-feat-npu, checked
-    copy = extract.copy_to(workdir / "mova", patched=True)
+    copy = extract.copy_to(workdir / "mova", integration="full")
     outcome = run_mova(MovaRun(mode="sft"), copy, workdir / "run", deadline_s=1800)
 
 `accelerate launch` starts the ranks through torchrun, as the reporter's job does: torchrun's
@@ -43,6 +43,11 @@ CHECKED_FILES = {
 PATCHED_FILES = {
     "mova/engine/trainer/accelerate/accelerate_trainer.py": "34e66956bcbd24804471e2aa69842310612900da2164e251b88b7008ccbdc2ef",
 }
+# sha256 of what `ckptdoctor integrate` (the minimal integration) makes of MOVA's trainer
+INTEGRATED_FILES = {
+    "mova/engine/trainer/accelerate/accelerate_trainer.py": "42d4cf7ebf2287901f0dec70cca085a164cd0676a4829e16b2fbfbebbc75ee8d",
+}
+INTEGRATIONS = (None, "full", "minimal")  # stock; patches/mova-feat-npu.patch; ckptdoctor integrate
 
 
 class ExtractProblem(CkptDoctorError):
@@ -70,15 +75,20 @@ class Extract:
                 raise ExtractProblem(f"{where / name} differs from MOVA {COMMIT[:7]}'s")
         return cls(where)
 
-    def copy_to(self, dest: Path, patched: bool) -> Path:
-        """A writable copy of MOVA's code and configs; with the fix's patch applied if `patched`."""
+    def copy_to(self, dest: Path, integration: str | None) -> Path:
+        """A writable copy of MOVA's code and configs, with the fix integrated: None (stock MOVA),
+        "full" (patches/mova-feat-npu.patch) or "minimal" (`ckptdoctor integrate`)."""
+        if integration not in INTEGRATIONS:
+            raise ExtractProblem(f"unknown integration {integration!r}; expected 'full' or 'minimal'")
         if dest.exists():
             shutil.rmtree(dest)
         shutil.copytree(self.path, dest, ignore=shutil.ignore_patterns("__pycache__", "ORIGIN.md"))
         for path in [dest, *dest.rglob("*")]:
             path.chmod(path.stat().st_mode | 0o200)
-        if patched:
+        if integration == "full":
             apply_patch(dest)
+        elif integration == "minimal":
+            integrate_minimal(dest)
         return dest
 
 
@@ -102,6 +112,17 @@ def apply_patch(tree: Path, check_only: bool = False) -> None:
         apply_diff(tree, PATCH, expected=PATCHED_FILES, check_only=check_only)
     except PatchNotApplied as problem:
         raise ExtractProblem(str(problem)) from None
+
+
+def integrate_minimal(tree: Path) -> None:
+    """`ckptdoctor integrate` on the copy's trainer, as the guide says to run it; it counts as
+    done when the file hashes to INTEGRATED_FILES."""
+    from ...integrate import integrate
+
+    integrate(tree / TRAINER)
+    digest = hashlib.sha256((tree / TRAINER).read_bytes()).hexdigest()
+    if digest != INTEGRATED_FILES[str(TRAINER)]:
+        raise ExtractProblem(f"`ckptdoctor integrate` left {tree / TRAINER} other than expected (sha256 {digest[:12]})")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,55 @@
+"""The minimal integration: one call after `accelerator.prepare(...)`, on every rank.
+
+    self.model, ... = self.accelerator.prepare(...)
+    import ckptdoctor
+    ckptdoctor.install(self.accelerator)
+
+From then on that Accelerator's own `save_state(dir)` and `load_state(dir)` are
+`ScalableCheckpointing.save_state` / `load_state`: the fix's planner, writer, reader and load
+planner on a checkpoint group with its own timeout; `dir` published atomically; loads only from
+a complete checkpoint; a failure on any rank the same CheckpointAborted everywhere. The trainer's
+other lines stay as they are, so local edits elsewhere in the file do not matter.
+
+What it does not do (the full patch, `patches/mova-feat-npu.patch`, does): publish the whole step
+directory at once (trainer_state.pt and LoRA weights are written beside the Accelerate state,
+unpublished), pick the newest *complete* step at resume, save LoRA adapters without a full gather.
+
+Only this instance is changed (attributes on it; Accelerate's class is untouched). Calling
+`install` again returns the same ScalableCheckpointing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CkptDoctorError
+
+ATTRIBUTE = "_ckptdoctor_checkpointing"
+
+
+def install(accelerator, **settings):
+    """Every rank, after `accelerator.prepare(...)`: route this Accelerator's save_state and
+    load_state through a new ScalableCheckpointing (`settings`: its keywords, e.g. timeout_s;
+    unset ones come from CKPTDOCTOR_* variables). Returns it."""
+    from .checkpointing import ScalableCheckpointing
+
+    existing = getattr(accelerator, ATTRIBUTE, None)
+    if existing is not None:
+        return existing
+    ckpt = ScalableCheckpointing(accelerator, **settings)
+
+    def save_state(output_dir: str | os.PathLike | None = None, **kwargs) -> str:
+        if output_dir is None:
+            raise CkptDoctorError("ckptdoctor.install: save_state() needs an output_dir (Accelerate's automatic "
+                                  "checkpoint naming is not supported); nothing was saved")
+        return str(ckpt.save_state(output_dir, **kwargs))
+
+    def load_state(input_dir: str | os.PathLike | None = None, **kwargs) -> None:
+        if input_dir is None:
+            raise CkptDoctorError("ckptdoctor.install: load_state() needs an input_dir (Accelerate's automatic "
+                                  "checkpoint naming is not supported); nothing was loaded")
+        ckpt.load_state(input_dir, **kwargs)
+
+    accelerator.save_state, accelerator.load_state = save_state, load_state
+    setattr(accelerator, ATTRIBUTE, ckpt)
+    return ckpt
