@@ -84,3 +84,13 @@ def test_the_child_leaves_when_its_parent_is_stopped_and_when_it_is_gone(store, 
     finally:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_a_rank_that_cannot_fork_keeps_the_thread_and_goes_on(store, monkeypatch, caplog):
+    def no_fork():
+        raise OSError(11, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", no_fork)  # INJECTED: fork fails (EAGAIN), as at a process limit
+    beat = ProcessBeat(store, "beat/2", interval_s=0.1)
+    beat.start()
+    assert beat.pid is None and "cannot fork the heartbeat's child" in caplog.text
+    beat.stop()

@@ -157,9 +157,16 @@ class ProcessBeat:
         self.pid: int | None = None
 
     def start(self) -> None:
+        """Best effort: a rank that cannot fork (no memory, a process limit) keeps its thread's
+        heartbeat and goes on; raising here, before the checkpoint's first collective, would
+        leave the other ranks waiting in it."""
         self.stop()
         parent = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as error:
+            log.warning("ckptdoctor: cannot fork the heartbeat's child (%s); the thread alone posts", error)
+            return
         if pid == 0:  # the child: no logging, no threads, no return into the parent's code
             code = 0
             try:
