@@ -4,7 +4,7 @@
         [--out docs/evidence/compat_matrix.jsonl]
 
 For each (torch, accelerate) pair, one at a time: a scratch venv outside the checkout, the pair
-and ckptdoctor (built from this checkout, not editable) with its test extras, then the fix's
+and ckptdoctor (built from a scratch worktree of this checkout's HEAD, not editable) with its test extras, then the fix's
 core tests with CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS=1 (the gate would refuse otherwise):
 
 * tests/fix/test_equivalence.py  save/load round trips on random state dicts against stock DCP
@@ -43,8 +43,11 @@ def one_pair(torch_v: str, accelerate_v: str, work: Path) -> dict:
     row = {"torch": torch_v, "accelerate": accelerate_v, "at": time.strftime("%Y-%m-%d %H:%M:%S")}
     start = time.time()
     run([sys.executable, "-m", "venv", str(venv)], check=True)
+    source = work / "ckptdoctor"  # a copy: building in the checkout would leave build/ in it
+    run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(source)], check=True)
     install = run([str(py), "-m", "pip", "install", "--no-cache-dir", "--quiet", f"torch=={torch_v}",
-                   f"accelerate=={accelerate_v}", f"{REPO}[test]"])
+                   f"accelerate=={accelerate_v}", f"{source}[test]"])
+    run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(source)])
     row["install_s"] = round(time.time() - start)
     if install.returncode != 0:
         row.update(installed=False, error=(install.stderr.strip().splitlines() or ["?"])[-1][:300])
