@@ -67,8 +67,9 @@ class ScalableFileSystemWriter(FileSystemWriter):
             _raise_on(coverage_problems(metadata, ((r.index.fqn, tuple(r.index.offset or ()))
                                                    for rank in expanded for r in rank)))
             super().finish(metadata, expanded)
-            if metadata.storage_data is None:  # torch 2.9 fills in a copy of the metadata, not this one
-                metadata.storage_data = {r.index: r.storage_data for rank in expanded for r in rank}
+            # The index's rows from the write results themselves: FileSystemWriter.finish fills in
+            # storage_data on the object it is given (2.8, 2.14) or on a copy of it (2.9).
+            metadata.storage_data = {r.index: r.storage_data for rank in expanded for r in rank}
             columns = None  # write_index reads the storage index from metadata.storage_data
         try:
             write_index(self.path, metadata, columns)  # after .metadata: without it, readers read .metadata
