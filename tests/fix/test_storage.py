@@ -2,6 +2,7 @@
 refuses writes that do not match the metadata."""
 
 import array
+import dataclasses
 import pickle
 
 import pytest
@@ -54,6 +55,17 @@ def test_columnar_storage_index_unpickles_to_the_dict_filesystemwriter_writes(ca
             assert metadata.state_dict_metadata[key.fqn].chunks[key.index].offsets == key.offset
     # a mix with stock results: expanded back
     assert {r.index: r.storage_data for w in gathered for r in w.write_results(metadata)} == stock
+
+
+def test_the_columns_survive_a_dataclasses_replace_copy_as_torch_2_9s_finish_makes():
+    """torch 2.9's FileSystemWriter.finish writes `dataclasses.replace(metadata, ...)`, not the object
+    it was given; 2.8 and 2.14 write the object itself. Both must pickle the columns."""
+    metadata, results, written = save_as_every_rank(CASE)
+    stock = {r.index: r.storage_data for rank in results for r in rank}
+    given = _with_storage_columns(metadata, StorageColumns(written, metadata))
+    for what_finish_writes in (given, dataclasses.replace(given, storage_data={})):
+        loaded = pickle.loads(pickle.dumps(what_finish_writes))
+        assert type(loaded) is Metadata and loaded.storage_data == stock
 
 
 CASE = (4, (4,), [((6, 3), (0,)), ((2,), (0,))], [(2,)], [7])  # uneven and empty shards, a plain tensor, an object

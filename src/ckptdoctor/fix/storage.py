@@ -200,21 +200,23 @@ def _chunk_offsets(md) -> list:
     return [] if isinstance(md, BytesStorageMetadata) else [chunk.offsets for chunk in md.chunks]
 
 
+@dataclasses.dataclass
 class _MetadataWithStorageColumns(Metadata):
     """Rank 0's metadata while `FileSystemWriter.finish` writes it: pickles as a stock
-    `Metadata` (copyreg's own reconstructor) whose storage_data is the columns."""
+    `Metadata` (copyreg's own reconstructor) whose storage_data is the columns. The columns are
+    a dataclass field so that a `dataclasses.replace` copy (torch 2.9's finish) keeps them."""
+
+    storage_columns: StorageColumns | None = None
 
     def __reduce_ex__(self, protocol):
         state = dict(self.__dict__)
-        state["storage_data"] = state.pop("_storage_columns")
+        state["storage_data"] = state.pop("storage_columns")
         return copyreg._reconstructor, (Metadata, object, None), state
 
 
 def _with_storage_columns(metadata: Metadata, columns: StorageColumns) -> Metadata:
-    copy = _MetadataWithStorageColumns.__new__(_MetadataWithStorageColumns)
-    copy.__dict__.update(metadata.__dict__)
-    copy._storage_columns = columns
-    return copy
+    fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+    return _MetadataWithStorageColumns(**fields, storage_columns=columns)
 
 
 class ScalableFileSystemReader(FileSystemReader):
