@@ -13,8 +13,8 @@ from ckptdoctor.fix import heartbeat, publish as publishing
 from ckptdoctor.fix.adapters import adapter_state_dict
 from ckptdoctor.fix.heartbeat import Heartbeat
 from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
-from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, Staging, counts_as_checkpoint, find_latest,
-                                    is_complete, legacy_complete, new_token, publish)
+from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, WRITING_MARKER, Staging, counts_as_checkpoint,
+                                    find_latest, is_complete, legacy_complete, new_token, publish)
 from ckptdoctor.fix.storage import ScalableFileSystemWriter
 
 from support.faults import small_tmpfs
@@ -279,11 +279,15 @@ def checkpoint_job(tmp_path, fault, target=-1, world=4, **launch_kwargs):
 
 
 @pytest.mark.slow
-def test_a_save_publishes_one_complete_step(tmp_path):
-    result, reports, out = checkpoint_job(tmp_path, "none")
+@pytest.mark.parametrize("publish", ["rename", "in_place"])
+def test_a_save_publishes_one_complete_step(tmp_path, publish):
+    result, reports, out = checkpoint_job(tmp_path, "none", env={"CKPTDOCTOR_PUBLISH": publish})
     assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}
-    assert {tuple(r["settings"].values()) for r in reports.values()} == {(300.0, 6.0, "exit")}  # from KNOBS
+    assert {tuple(r["settings"].values()) for r in reports.values()} == {(300.0, 6.0, "exit", publish)}  # env
     step = out / "ckpt" / "step-1" / "accelerator"
+    assert {r["latest"] for r in reports.values()} == {str(step)}  # every rank: the marked step
+    assert json.loads((step / COMPLETE_MARKER).read_text())["mode"] == publish
+    assert [p.name for p in (out / "ckpt").rglob("*") if INCOMPLETE in p.name or p.name == WRITING_MARKER] == []
     saved = [line for line in (out / "job.log").read_text().splitlines() if "ckptdoctor: saved " in line]
     assert len(saved) == 1 and f"saved {step} in " in saved[0], saved  # one line, rank 0's, through logging
     assert re.search(r"\(save_state \d+\.\d s.*\), 2 DCP checkpoint\(s\), \d+(\.\d)? K?B$", saved[0]), saved[0]

@@ -12,18 +12,21 @@ def test_defaults_when_neither_keyword_nor_environment_sets_a_knob():
     settings = Settings.resolve(environ={})
     assert (settings.timeout_s, settings.lost_rank_s, settings.on_lost_rank, settings.heartbeat, settings.log_level) \
         == (GROUP_TIMEOUT_S, LOST_RANK_S, "exit", "process", None) == (10800.0, 300.0, "exit", "process", None)
+    assert settings.publish == "rename"
     assert settings.describe().endswith("(all defaults)")
 
 
 def test_the_environment_sets_what_no_keyword_gives_and_a_keyword_wins():
     environ = {"CKPTDOCTOR_GROUP_TIMEOUT_S": " 7200 ", "CKPTDOCTOR_LOST_RANK_S": "900",
-               "CKPTDOCTOR_ON_LOST_RANK": "log", "CKPTDOCTOR_HEARTBEAT": "thread", "CKPTDOCTOR_LOG_LEVEL": "debug"}
+               "CKPTDOCTOR_ON_LOST_RANK": "log", "CKPTDOCTOR_HEARTBEAT": "thread", "CKPTDOCTOR_LOG_LEVEL": "debug",
+               "CKPTDOCTOR_PUBLISH": "in_place"}
     settings = Settings.resolve(environ=environ, lost_rank_s=60)
+    assert settings.publish == "in_place" and "publish by in_place" in settings.describe()
     assert (settings.timeout_s, settings.lost_rank_s, settings.on_lost_rank, settings.heartbeat, settings.log_level) \
         == (7200.0, 60.0, "log", "thread", "DEBUG")
     assert dict(settings.sources) == {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "keyword",
                                       "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
-                                      "log_level": "CKPTDOCTOR_LOG_LEVEL"}
+                                      "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH"}
     assert "lost rank after 60 s -> log" in settings.describe()
 
 
@@ -33,6 +36,7 @@ def test_the_environment_sets_what_no_keyword_gives_and_a_keyword_wins():
     ({"CKPTDOCTOR_LOST_RANK_S": "nan"}, {}, "CKPTDOCTOR_LOST_RANK_S='nan': expected seconds, a positive number"),
     ({"CKPTDOCTOR_ON_LOST_RANK": "kill"}, {}, "CKPTDOCTOR_ON_LOST_RANK='kill': expected one of exit, log"),
     ({"CKPTDOCTOR_HEARTBEAT": "native"}, {}, "CKPTDOCTOR_HEARTBEAT='native': expected one of process, thread"),
+    ({"CKPTDOCTOR_PUBLISH": "s3"}, {}, "CKPTDOCTOR_PUBLISH='s3': expected one of rename, in_place"),
     ({}, {"on_lost_rank": "ignore"}, "keyword on_lost_rank='ignore': expected one of exit, log"),
     ({"CKPTDOCTOR_LOG_LEVEL": "loud"}, {}, "CKPTDOCTOR_LOG_LEVEL='loud': expected DEBUG, INFO, WARNING, ERROR or CRITICAL"),
 ])

@@ -160,7 +160,7 @@ def main() -> int:
     # its timeout and lost-rank window: from the test's environment
     ckpt = install(accelerator) if fault == "installed" else ScalableCheckpointing(accelerator)
     report["settings"] = {"timeout_s": ckpt.settings.timeout_s, "lost_rank_s": ckpt.settings.lost_rank_s,
-                          "on_lost_rank": ckpt.settings.on_lost_rank}
+                          "on_lost_rank": ckpt.settings.on_lost_rank, "publish": ckpt.settings.publish}
     try:
         if fault in ("sigstop", "exit", "gil"):
             stop_in_planning(target, fault)
@@ -174,10 +174,13 @@ def main() -> int:
         elif fault == "marker-fails":  # INJECTED: rank 0's completion marker hits ENOSPC after the rename
             if rank == 0:
                 from ckptdoctor.fix import publish as publishing
+                write_durably = publishing._write_durably
 
-                def full_disk(*args, **kwargs):
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                publishing.json.dump = full_disk
+                def full_disk(path, data):
+                    if path.name == publishing.COMPLETE_MARKER:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    write_durably(path, data)
+                publishing._write_durably = full_disk
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
         elif fault == "installed":  # the minimal integration: the accelerator's own methods, after install()
             report["install_twice_same"] = install(accelerator) is ckpt
@@ -193,6 +196,7 @@ def main() -> int:
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
+            report["latest"] = str(ckpt.latest(root, "accelerator"))
         report["status"] = "ok"
     except BaseException as error:  # noqa: BLE001 - reported for the test
         report.update(status="failed", error_type=type(error).__name__, error=str(error)[-1500:])

@@ -21,7 +21,8 @@ What it changes, and nothing else:
   cannot derive (ranks hold different keys) is retried at once on the planner's owned path;
 * atomic publication (publish.py): everything is written to `<dir>.incomplete-<token>` and
   rank 0 renames it into place and marks it complete only when every DCP checkpoint in it has
-  its `.metadata`; the next successful commit removes what dead saves left beside it;
+  its `.metadata`; the next successful commit removes what dead saves left beside it. With
+  `publish="in_place"` (object-store mounts) nothing is renamed: written in place, marked last;
 * `latest()` runs on rank 0 and is broadcast: every rank resumes from the same step, the newest
   whose data files are whole, and every rank checks that it sees it complete (directory caching
   on NFS can differ between hosts);
@@ -57,8 +58,8 @@ from .planner import NotDerivable, ScalableSavePlanner
 from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
 from .settings import Settings
 from .summary import OperationRecord, make_visible
-from .publish import (INCOMPLETE, Staging, complete_steps, counts_as_checkpoint, new_token, publish,
-                      remove_leftovers, why_incomplete)
+from .publish import (Staging, complete_steps, counts_as_checkpoint, new_token, prepare, publish, remove_leftovers,
+                      why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 log = logging.getLogger("ckptdoctor.checkpointing")
@@ -71,20 +72,21 @@ class ScalableCheckpointing:
     `verify_replicas`: passed to the planner (check that replicated tensors hold the same
     values on every rank before saving them once). `lost_rank_s` / `on_lost_rank` ("exit" or
     "log"): what to do about a rank that stops answering. `timeout_s`, `lost_rank_s`,
-    `on_lost_rank`, `heartbeat` and `log_level` left as None come from the environment (settings.py), else
-    their defaults (3 h, 300 s, "exit", "process", unchanged), so a patched trainer is tuned without edits.
+    `on_lost_rank`, `heartbeat`, `log_level` and `publish` left as None come from the environment (settings.py),
+    else their defaults (3 h, 300 s, "exit", "process", unchanged, "rename"), so a patched trainer is tuned
+    without edits.
 
     Every step that can fail on some ranks only ends in a collective carrying its outcome
     (agreement.py): a failure anywhere is the same CheckpointAborted on every rank."""
 
     def __init__(self, accelerator, timeout_s: float | None = None, group=None, *, verify_replicas=False,
                  lost_rank_s: float | None = None, on_lost_rank: str | None = None, heartbeat: str | None = None,
-                 log_level: str | None = None):
+                 log_level: str | None = None, publish: str | None = None):
         import torch.distributed as dist
 
         check_versions()
         self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
-                                         heartbeat=heartbeat, log_level=log_level)
+                                         heartbeat=heartbeat, log_level=log_level, publish=publish)
         self.settings.apply_log_level()
         make_visible()
         self.accelerator = accelerator
@@ -107,12 +109,11 @@ class ScalableCheckpointing:
     def begin(self, final_dir: str | os.PathLike) -> Path:
         """Every rank: open `final_dir` for writing; returns its staging directory (the same
         on every rank). Publish it with `commit`."""
-        final = Path(final_dir)
-        token = self._start_operation()
-        staging = final.with_name(f"{final.name}{INCOMPLETE}{token}")
-        self._open[staging] = Staging(final, token)
-        with self._aborting(staging):  # a rank may already have made it (Accelerate does): exist_ok
-            self._rank0_decides("create the staging directory", lambda: staging.mkdir(parents=True, exist_ok=True))
+        opened = Staging(Path(final_dir), self._start_operation(), self.settings.publish)
+        staging = opened.staging()
+        self._open[staging] = opened
+        with self._aborting(staging):
+            self._rank0_decides("create the staging directory", lambda: prepare(opened))
         return staging
 
     def commit(self, staging: str | os.PathLike) -> Path:
@@ -190,13 +191,19 @@ class ScalableCheckpointing:
                 raise CheckpointAborted(f"loading {path} failed on rank(s) {', '.join(map(str, sorted(error.failures)))}: "
                                         f"{_first_failure(error)}") from error
 
-    def latest(self, root: str | os.PathLike, subdir: str | None = None, legacy: bool = True) -> Path | None:
+    def latest(self, root: str | os.PathLike, subdir: str | None = None, legacy: bool | None = None) -> Path | None:
         """Every rank: the newest checkpoint under `root` that is complete and loadable (its data
         files whole: see `newest_loadable`), as rank 0 sees it; raises CheckpointAborted if any
-        rank does not see it complete."""
+        rank does not see it complete. `legacy`: whether a whole stock save (no marker) counts;
+        by default yes when publishing by rename, no in place (there only marked steps count)."""
+        legacy = self.settings.publish == "rename" if legacy is None else legacy
         choice = self._rank0_decides("find the latest checkpoint",
                                      lambda: str(newest_loadable(root, subdir, legacy) or ""))
         if not choice:
+            if not legacy and self.rank == 0 and complete_steps(root, subdir, legacy=True):
+                log.warning("ckptdoctor: no step under %s is marked complete; stock saves there (newest %s) are not "
+                            "resumed from when publishing in place: pass legacy=True to latest() to count them",
+                            root, complete_steps(root, subdir, legacy=True)[0])
             return None
         path = Path(choice)
         self._every_rank_agrees(f"see {path} complete", lambda: require_complete(path, legacy))

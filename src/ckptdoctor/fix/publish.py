@@ -1,10 +1,22 @@
-"""The publish protocol: a checkpoint directory appears complete, or not at all.
+"""The publish protocol: a checkpoint directory counts as complete only once it is whole.
 
-Everything is written to `<dir>.incomplete-<token>` (a fresh name per attempt). Rank 0 then
-checks it, renames it to `<dir>`, writes and fsyncs the completion marker (listing the DCP
-checkpoints in it) and fsyncs the parent. On object-store mounts, where a directory rename
-copies object by object, a marker can only exist in a copy that is whole. A previous `<dir>`
-is moved aside first and removed only after the marker, so a crash never loses a step.
+Two modes (`Settings.publish`, CKPTDOCTOR_PUBLISH):
+
+* "rename" (default): everything is written to `<dir>.incomplete-<token>` (a fresh name per
+  attempt). Rank 0 then checks it, renames it to `<dir>`, writes and fsyncs the completion
+  marker (listing the DCP checkpoints in it) and fsyncs the parent. A previous `<dir>` is moved
+  aside first and removed only after the marker, so a crash never loses a step.
+* "in_place", for object-store mounts (OBS/s3 FUSE), where a directory rename copies the data
+  object by object while every other rank waits: no rename. Rank 0 first writes a `WRITING`
+  file (its token) into `<dir>`; an existing `<dir>` loses its marker next, then its contents
+  (re-saving a step replaces it: if that save fails, the step is gone, earlier ones are not).
+  Every rank writes in place; rank 0 writes the marker last, only after every DCP checkpoint has
+  its `.metadata`.
+
+In both modes rank 0 writes the `WRITING` file before any rank writes, and removes it after the
+marker: a directory with a `WRITING` file and no marker (a save that died, even one renamed
+into place just before its marker) never counts, not even as a whole stock save, and the next
+successful save beside it removes it.
 
 What counts as a checkpoint (`is_complete`, `legacy_complete` for stock saves) and which is the
 newest (`find_latest`) live here too: they are the reading side of the same protocol.
@@ -24,23 +36,64 @@ from .index import METADATA_NAME
 INCOMPLETE = ".incomplete-"
 REPLACED = ".replaced-"
 COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
+WRITING_MARKER = "CKPTDOCTOR_WRITING"
+MODES = ("rename", "in_place")
 
 
 class Staging:
-    """One open publication: its final name, token, and the DCP checkpoints saved into it."""
+    """One open publication: its final name, token, mode, and the DCP checkpoints saved into it."""
 
-    def __init__(self, final: Path, token: str):
-        self.final, self.token = final, token
+    def __init__(self, final: Path, token: str, mode: str = "rename"):
+        self.final, self.token, self.mode = final, token, mode
         self.checkpoints: list[str] = []   # saved through the fix, relative to the staging directory
 
     def staging(self) -> Path:
+        """Where every rank writes: a fresh name beside the final one, or (in place) the final one."""
+        if self.mode == "in_place":
+            return self.final
         return self.final.with_name(f"{self.final.name}{INCOMPLETE}{self.token}")
 
 
+def prepare(opened: Staging) -> None:
+    """Rank 0, before any rank writes: create the directory every rank writes into. In place, an
+    existing directory is claimed (WRITING file), unmarked, then emptied, in that order."""
+    target = opened.staging()
+    target.mkdir(parents=True, exist_ok=True)
+    _write_durably(target / WRITING_MARKER, {"token": opened.token, "time": time.time()})
+    if opened.mode == "rename":
+        return
+    if (target / COMPLETE_MARKER).exists():
+        _remove_durably(target / COMPLETE_MARKER)  # from here on the old step no longer counts
+    for entry in sorted(target.iterdir()):
+        if entry.name != WRITING_MARKER:
+            _remove_entry(entry)
+
 
 def publish(staging: Path, opened: Staging) -> str:
-    """Rank 0: check the staging directory, rename it into place, then write and fsync the
-    marker and fsync the parent. Returns "published" or why not (nothing renamed then)."""
+    """Rank 0: check what every rank wrote, then make it count: rename it into place and mark
+    it (rename mode), or mark it where it is (in place). Returns "published" or why not (then
+    nothing new counts)."""
+    problem = _unpublishable(staging, opened)
+    if problem:
+        return problem
+    if opened.mode == "in_place":
+        _write_durably(staging / COMPLETE_MARKER, _marker(opened))
+        _remove_durably(staging / WRITING_MARKER)  # a crash before this leaves a marked, complete step
+        return "published"
+    final = opened.final
+    replaced = final.with_name(f"{final.name}{REPLACED}{opened.token}") if final.exists() else None
+    if replaced is not None:
+        os.replace(final, replaced)  # kept whole until the new one is marked complete
+    os.replace(staging, final)
+    _write_durably(final / COMPLETE_MARKER, _marker(opened))
+    _remove_durably(final / WRITING_MARKER)
+    _fsync_dir(final.parent)
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return "published"
+
+
+def _unpublishable(staging: Path, opened: Staging) -> str | None:
     missing = [c for c in opened.checkpoints if not (staging / c / ".metadata").is_file()]
     if missing:
         return f"DCP checkpoint(s) {', '.join(missing)} have no .metadata"
@@ -49,21 +102,30 @@ def publish(staging: Path, opened: Staging) -> str:
     if unwrapped:
         return (f"DCP checkpoint(s) {', '.join(unwrapped)} were saved without ckptdoctor's planner (a dcp.save bound "
                 f"before ckptdoctor wrapped it?)")
-    final = opened.final
-    replaced = final.with_name(f"{final.name}{REPLACED}{opened.token}") if final.exists() else None
-    if replaced is not None:
-        os.replace(final, replaced)  # kept whole until the new one is marked complete
-    os.replace(staging, final)
-    marker = final / COMPLETE_MARKER
-    with open(marker, "w") as f:
-        json.dump({"token": opened.token, "dcp_checkpoints": opened.checkpoints, "time": time.time()}, f)
+    return None
+
+
+def _marker(opened: Staging) -> dict:
+    return {"token": opened.token, "dcp_checkpoints": opened.checkpoints, "mode": opened.mode, "time": time.time()}
+
+
+def _write_durably(path: Path, data: dict) -> None:
+    """Write, flush and fsync a small JSON file, then fsync its directory."""
+    with open(path, "w") as f:
+        json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(final)
-    _fsync_dir(final.parent)
-    if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
-    return "published"
+    _fsync_dir(path.parent)
+
+
+def _remove_entry(entry: Path) -> None:
+    shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+
+
+def _remove_durably(path: Path) -> None:
+    path.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -95,6 +157,8 @@ def legacy_complete(path: Path) -> bool:
     if INCOMPLETE in path.name or (path / COMPLETE_MARKER).exists():
         return False
     state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
+    if _being_written(path) or _being_written(state):
+        return False
     models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
     return bool(models and optimizers) and all((d / ".metadata").is_file() for d in models + optimizers) and \
         (state / "random_states_0.pkl").is_file()
@@ -106,6 +170,8 @@ def why_incomplete(path: Path) -> str:
     path = Path(path)
     if INCOMPLETE in path.name or INCOMPLETE in path.parent.name:
         return "a staging directory: its save did not finish"
+    if _being_written(path) and not (path / COMPLETE_MARKER).is_file():
+        return f"{WRITING_MARKER} and no {COMPLETE_MARKER}: saved in place, the save did not finish"
     for marked in (path, path.parent):
         if (marked / COMPLETE_MARKER).is_file():
             try:
@@ -130,6 +196,11 @@ def counts_as_checkpoint(path: Path, legacy: bool = True) -> bool:
         return False
     return is_complete(path) or (is_complete(path.parent) and _listed_in_marker(path)) or \
         (legacy and legacy_complete(path))
+
+
+def _being_written(path: Path) -> bool:
+    """An in-place save wrote here (`path` or its step directory) and has not marked it."""
+    return any((p / WRITING_MARKER).exists() and not (p / COMPLETE_MARKER).exists() for p in (path, path.parent))
 
 
 def _listed_in_marker(path: Path) -> bool:
@@ -194,11 +265,16 @@ def remove_leftovers(root: Path, token: str) -> list[Path]:
     """Rank 0, after the save `token` published into `root`: remove what earlier saves left
     there. A staging directory of a save that started before this one is dead (one job saves
     one step at a time; two jobs must not share a save root). A `.replaced-` copy goes only
-    when its step exists complete again; otherwise it is that step's only copy and stays."""
+    when its step exists complete again; otherwise it is that step's only copy and stays. An
+    unmarked directory an in-place save claimed before this one started is dead too."""
     started = token_time_ns(token)
     removed = []
     for entry in sorted(Path(root).iterdir()):
         match = LEFTOVER.match(entry.name)
+        if entry.is_dir() and _claimed_before(entry, started):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+            continue
         if not match or not entry.is_dir():
             continue
         when = token_time_ns(match["token"])
@@ -210,3 +286,14 @@ def remove_leftovers(root: Path, token: str) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def _claimed_before(entry: Path, started: int | None) -> bool:
+    """`entry` holds an in-place save's WRITING file, no marker, and that save started before `started`."""
+    if (entry / COMPLETE_MARKER).exists() or started is None:
+        return False
+    try:
+        when = token_time_ns(json.loads((entry / WRITING_MARKER).read_text())["token"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return when is not None and when < started

@@ -6,6 +6,8 @@
     CKPTDOCTOR_HEARTBEAT         "process": a forked child posts too, so a rank busy holding
                                  the GIL stays alive; "thread": the Python thread only (default process)
     CKPTDOCTOR_LOG_LEVEL         the level of the "ckptdoctor" loggers          (default INFO, summary.py)
+    CKPTDOCTOR_PUBLISH           "rename": write beside, rename into place, mark; "in_place": write
+                                 in place, mark last, for object-store mounts (publish.py) (default rename)
 
 A keyword given to `ScalableCheckpointing` wins over the environment. A value that cannot be
 used is refused at construction with one line naming the variable, before any group exists.
@@ -19,13 +21,14 @@ import os
 
 from ..errors import CkptDoctorError
 from .heartbeat import LOST_RANK_S
+from .publish import MODES as PUBLISH
 
 GROUP_TIMEOUT_S = 3 * 3600.0
 ON_LOST_RANK = ("exit", "log")
 HEARTBEAT = ("process", "thread")
 ENV = {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "CKPTDOCTOR_LOST_RANK_S",
        "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
-       "log_level": "CKPTDOCTOR_LOG_LEVEL"}
+       "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH"}
 
 
 class BadSetting(CkptDoctorError):
@@ -39,6 +42,7 @@ class Settings:
     on_lost_rank: str = "exit"
     heartbeat: str = "process"
     log_level: str | None = None
+    publish: str = "rename"
     sources: tuple[tuple[str, str], ...] = ()  # (knob, "keyword" | variable name) for each one not defaulted
 
     @classmethod
@@ -64,7 +68,7 @@ class Settings:
     def describe(self) -> str:
         given = ", ".join(f"{knob} from {where}" for knob, where in self.sources) or "all defaults"
         return (f"checkpoint group timeout {self.timeout_s:.0f} s, lost rank after {self.lost_rank_s:.0f} s "
-                f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat} ({given})")
+                f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat}, publish by {self.publish} ({given})")
 
 
 def _checked(knob: str, value, where: str):
@@ -77,8 +81,8 @@ def _checked(knob: str, value, where: str):
         if not seconds > 0 or seconds == float("inf"):
             raise BadSetting(f"{name}={value!r}: expected seconds, a positive number")
         return seconds
-    if knob in ("on_lost_rank", "heartbeat"):
-        allowed = ON_LOST_RANK if knob == "on_lost_rank" else HEARTBEAT
+    if knob in ("on_lost_rank", "heartbeat", "publish"):
+        allowed = {"on_lost_rank": ON_LOST_RANK, "heartbeat": HEARTBEAT, "publish": PUBLISH}[knob]
         if value not in allowed:
             raise BadSetting(f"{name}={value!r}: expected one of {', '.join(allowed)}")
         return value
