@@ -159,6 +159,27 @@ def cmd_integrate(args) -> int:
     return 0
 
 
+def cmd_selftest(args) -> int:
+    from .selftest.run import Options, format_report, run, write_json
+
+    for name in ("width", "layers", "steps", "timeout", "visibility"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise CkptDoctorError(f"--{name} must be positive, got {getattr(args, name)}")
+    if args.width % 2:
+        raise CkptDoctorError(f"--width must be even (the audio tower is half as wide), got {args.width}")
+    opts = Options(dir=Path(args.dir), width=args.width, layers=args.layers, steps=args.steps,
+                   offload=not args.no_offload, stock=args.stock, stock_deadline_s=args.stock_deadline,
+                   job_ranks=args.job_ranks, expect_gb=args.expect_gb, visibility_s=args.visibility,
+                   backend=args.backend, timeout_s=args.timeout, keep=args.keep)
+    status, report = run(opts, progress=lambda line: print(line, flush=True))
+    if report is not None:
+        print(format_report(report), flush=True)
+        if args.json:
+            write_json(report, args.json)
+            print(f"  report: {args.json}")
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ckptdoctor",
@@ -251,6 +272,38 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "mova/engine/trainer/accelerate/accelerate_trainer.py)")
     integ.add_argument("--check", action="store_true", help="say where the lines would go; change nothing")
     integ.set_defaults(func=cmd_integrate)
+
+    selftest = sub.add_parser(
+        "selftest", help="on the cluster, under its launcher: save and load through the fix, and check the file system",
+        description="Run under the job's launcher (torchrun --nproc-per-node 8 -m ckptdoctor selftest --dir DIR, or "
+                    "accelerate launch -m ckptdoctor selftest --dir DIR) at any world size. Builds a MOVA-shaped FSDP2 "
+                    "model through Accelerate on the job's device (NPU with torch_npu: cpu:gloo,npu:hccl; CUDA: "
+                    "cpu:gloo,cuda:nccl; else gloo), trains it a few steps, saves with ScalableCheckpointing, loads "
+                    "back with the fix and with stock Accelerate, and compares each rank's checksums. Also checks the "
+                    "directory on every rank, directory fsync, mtime resolution, free space, ulimit -n, the store's "
+                    "capacity against the heartbeats, the checkpoint group's creation and the step's visibility on "
+                    "every rank. Rank 0 prints one screen of verdicts.",
+        epilog="exit status (every rank): 0 every check passed; 1 a check failed or was skipped; 2 bad input")
+    selftest.add_argument("--dir", required=True, help="a directory on the job's checkpoint storage (a fresh "
+                                                       "subdirectory is made in it and removed after)")
+    selftest.add_argument("--width", type=int, default=256, help="model width (default 256)")
+    selftest.add_argument("--layers", type=int, default=4, help="blocks in the video tower (default 4)")
+    selftest.add_argument("--steps", type=int, default=2, help="optimizer steps before the save (default 2)")
+    selftest.add_argument("--no-offload", action="store_true", help="keep parameters on the device (MOVA offloads)")
+    selftest.add_argument("--stock", action="store_true",
+                          help="also time stock DCP's plan exchange on the same state (a group with --stock-deadline)")
+    selftest.add_argument("--stock-deadline", type=float, default=3 * 3600.0, help="seconds (default 10800)")
+    selftest.add_argument("--job-ranks", type=int, default=None,
+                          help="the real job's world size, for ulimit -n and the store's load (default: this run's)")
+    selftest.add_argument("--expect-gb", type=float, default=None,
+                          help="the real job's checkpoint size in GB, for the free-space check (default: this run's)")
+    selftest.add_argument("--visibility", type=float, default=60.0,
+                          help="seconds a rank may take to see the published step (default 60)")
+    selftest.add_argument("--backend", default=None, help="override the detected backend (e.g. gloo)")
+    selftest.add_argument("--timeout", type=float, default=1800.0, help="the process group's timeout in s (default 1800)")
+    selftest.add_argument("--keep", action="store_true", help="keep the test's checkpoint directory")
+    selftest.add_argument("--json", metavar="PATH", help="rank 0 writes the report here")
+    selftest.set_defaults(func=cmd_selftest)
 
     diag = sub.add_parser(
         "diagnose", help="explain a failed save/load from torchrun or Accelerate logs",

@@ -60,3 +60,23 @@ def test_the_fix_imports_nothing_above_or_beside_it():
                 target = "." * node.level + (node.module or "")
                 assert target.startswith(".") and not target.startswith(("..repro", "..simulate", "..diagnose")), \
                     f"{path.name} imports {target}"
+
+
+def test_the_selftest_a_user_runs_on_the_cluster_needs_no_lab():
+    """Read the sources (its imports are inside functions): ckptdoctor.selftest imports the fix,
+    errors and itself, never the lab or plotting."""
+    import ast
+    from pathlib import Path
+
+    import ckptdoctor.selftest
+
+    for path in Path(ckptdoctor.selftest.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = "." * node.level + (node.module or "")
+                assert not target.startswith(("..repro", "..simulate", "..diagnose")), f"{path.name} imports {target}"
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not [n for n in names if n.split(".")[0] in TOOLS], f"{path.name} imports {names}"
+    loaded = modules_after("import ckptdoctor.selftest.run, ckptdoctor.selftest.roundtrip, ckptdoctor.selftest.checks")
+    assert not [m for m in loaded if m.startswith(LAB)]

@@ -1,6 +1,7 @@
 """`python -m build` makes a wheel; installed beside a training image's torch it saves with the planner."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -69,3 +70,18 @@ def test_a_2_rank_save_with_the_installed_wheel_loads_bit_exactly_with_stock_dcp
     for report in reports:
         assert report["ckptdoctor"].startswith(site), report  # the wheel's copy, not this checkout's
         assert report["mode"] == "derived" and report["mismatches"] == []
+
+
+def test_selftest_at_8_ranks_runs_from_the_installed_wheel_with_no_checkout(image, tmp_path):
+    """The cluster's case: a wheel in an image that has torch and Accelerate, run under torchrun
+    from the user's own directory; nothing of this checkout on the path."""
+    python, site = image
+    proc = subprocess.run([str(python), "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "ckptdoctor",
+                           "selftest", "--dir", "ckpt", "--stock", "--json", "r.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ckptdoctor"].startswith(site) and report["world_size"] == 8, report["ckptdoctor"]
+    verdicts = {c["name"]: c["verdict"] for c in report["checks"]}
+    assert set(verdicts.values()) == {"PASS"} and "stock plan exchange" in verdicts and len(verdicts) == 13, verdicts

@@ -31,6 +31,14 @@ def attempt(work) -> tuple[str, object]:
 
 
 def describe(error: BaseException) -> str:
+    """One line. DCP's CheckpointException prints the ranks' tracebacks: its first failure's own
+    line is what says why (e.g. "OSError: [Errno 28] No space left on device")."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(first, BaseException):
+            return f"in DCP on rank(s) {format_ranks(sorted(failures))}: {describe(first)}"
     text = " ".join(str(error).split())[:400]
     return text if isinstance(error, CkptDoctorError) else f"{type(error).__name__}: {text}"
 

@@ -209,6 +209,11 @@ class ScalableCheckpointing:
         self._every_rank_agrees(f"see {path} complete", lambda: require_complete(path, legacy))
         return path
 
+    @property
+    def last_operation(self) -> OperationRecord:
+        """The phases and bytes of the last save or load (what its INFO line reports)."""
+        return self._record
+
     # -- internals ----------------------------------------------------------------------
     def _staging_of(self, path: Path) -> "Staging | None":
         for staging, opened in self._open.items():

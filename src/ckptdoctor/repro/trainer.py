@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .accelerate_cpu import enable_fsdp_on_cpu, use_training_group
+from ..selftest.accelerate_cpu import enable_fsdp_on_cpu
+from .training_group import use_training_group
 from .config import TrainingConfig, fsdp_plugin_kwargs, parallelism_kwargs
 from .model import MovaShape, build_model
 

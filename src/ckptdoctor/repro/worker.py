@@ -2,7 +2,7 @@
 
 The default process group stands for the gloo half of the reporter's "cpu:gloo,npu:hccl"
 group and carries the checkpoint deadline; FSDP trains on a second gloo group with the
-training timeout (see accelerate_cpu.py). Each rank writes `rank<N>.json` with its outcome,
+training timeout (see training_group.py). Each rank writes `rank<N>.json` with its outcome,
 the frames of any exception, and its DCP step events, then lets the exception escape so
 torch's excepthook prints the `[rankN]:` traceback as in the report.
 """

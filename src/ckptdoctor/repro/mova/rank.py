@@ -16,7 +16,7 @@ config file as its argument), this rank:
 * puts FSDP's collectives (HCCL's job on NPU) on a group of their own with the training timeout,
   and lets the ranks meet on it as `train()` starts and before each `_save_checkpoint`
   (`training_group_for_fsdp_and_movas_saves` says why);
-* makes the CPU adjustments of `repro/accelerate_cpu.py` right after MOVA's own
+* makes the CPU adjustments of `selftest/accelerate_cpu.py` right after MOVA's own
   `init_distributed_adapter` returns: Accelerate's FSDP2 path on CPU, unpinned CPU offload;
 * freezes the objects of MOVA's setup for the garbage collector as its `train()` starts
   (`worker.freeze_setup_objects`, which says why);
@@ -104,10 +104,10 @@ def scaled_default_timeout(deadline_s: float, training_timeout_s: float) -> None
 
 
 def adjust_for_cpu_after_movas_init() -> None:
-    """Run repro/accelerate_cpu.py's adjustments right after MOVA's own init_distributed_adapter."""
+    """Run selftest/accelerate_cpu.py's adjustments right after MOVA's own init_distributed_adapter."""
     import mova.utils.adapter as adapter
 
-    from ..accelerate_cpu import enable_fsdp_on_cpu, unpinned_cpu_offload
+    from ...selftest.accelerate_cpu import enable_fsdp_on_cpu, unpinned_cpu_offload
 
     original = adapter.init_distributed_adapter
 

@@ -17,27 +17,17 @@ construction does not stick: prepare falls back and `save_state` skips the FSDP 
 not an accelerator"). Until undone, the policy class Accelerate imports at that moment
 defaults to `pin_memory=False`; every other field is torch's.
 
-The third helper puts FSDP's collectives on their own group. In the reporter's job the
-default group is "cpu:gloo,npu:hccl": FSDP's all-gathers and reduce-scatters run on HCCL,
-while DCP's object collectives run on gloo. On CPU both would share one gloo group, so the
-gloo deadline under study would also govern training; a separate group keeps them apart
-exactly as HCCL and gloo are apart on NPU.
+Used by `ckptdoctor selftest` on CPU-only hosts and by the lab (repro); on NPU and CUDA hosts
+Accelerate takes its FSDP path by itself and none of this runs.
 """
 
 from __future__ import annotations
 
-from ..errors import UnsupportedVersion
-
-SUPPORTED_ACCELERATE = ("1.13.0", "1.15.0")
+from ..fix.compat import check_versions
 
 
 def _check_accelerate_version() -> None:
-    from ..fix.compat import installed_versions
-
-    version = installed_versions()[1]
-    if version not in SUPPORTED_ACCELERATE:
-        raise UnsupportedVersion(
-            f"accelerate {version} is not supported by the CPU FSDP shim (checked: {', '.join(SUPPORTED_ACCELERATE)})")
+    check_versions("the CPU FSDP shim")  # PartialState's shared fields: read from the checked versions
 
 
 def enable_fsdp_on_cpu() -> None:
@@ -74,17 +64,3 @@ def unpinned_cpu_offload() -> None:
         _ckptdoctor_unpinned = True
 
     fsdp.CPUOffloadPolicy = CPUOffloadPolicy
-
-
-def use_training_group(accelerator, group) -> None:
-    """Give FSDP a 1-D mesh over `group` instead of the default group.
-
-    Accelerate's FSDP2 prepare shards over `accelerator.torch_device_mesh[fsdp_dim_names]`;
-    with only data-parallel sharding that is the one dimension "dp_shard_cp".
-    """
-    from torch.distributed.device_mesh import DeviceMesh
-
-    names = tuple(accelerator.parallelism_config.fsdp_dim_names)
-    if names != ("dp_shard_cp",):
-        raise NotImplementedError(f"a separate training group supports pure FSDP meshes only, not {names}")
-    accelerator.state.device_mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=names)

@@ -1,0 +1,117 @@
+"""`ckptdoctor selftest`, run as a user runs it on the cluster: under torchrun or accelerate
+launch, from their own directory, on CPU/gloo here (the checks that matter on NPU are the same
+code; only the backend string and device differ)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ckptdoctor.selftest.checks import Check, merge, mtime_granularity, open_files
+
+from support.faults import coarse_timestamps, small_tmpfs
+from support.paths import REPO
+
+CHECKS = ["directory", "directory fsync", "open files", "store load", "model", "checkpoint group", "save (fix)",
+          "visible on every rank", "load (fix)", "load (stock)", "free space", "mtime granularity"]
+
+
+def torchrun(ranks, cwd, *args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                           "-m", "ckptdoctor", "selftest", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def verdicts(report) -> dict:
+    return {c["name"]: c["verdict"] for c in report["checks"]}
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_from_the_users_directory_pass_every_check(tmp_path):
+    """The documented command with a relative --dir, run from a directory that is not the checkout."""
+    proc = torchrun(2, tmp_path, "--dir", "shared/selftest", "--json", "report.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["world_size"] == 2 and report["backend"] == "gloo" and report["device"] == "cpu"
+    assert verdicts(report) == dict.fromkeys(CHECKS, "PASS"), verdicts(report)
+    assert report["dir"].startswith(str(tmp_path / "shared" / "selftest"))  # relative to where it ran
+    assert not any((tmp_path / "shared" / "selftest").iterdir())  # the test's checkpoint is removed after
+    loads = [c for c in report["checks"] if c["name"].startswith("load")]
+    assert all("equal the saved ones" in c["detail"] for c in loads)
+    save = next(c for c in report["checks"] if c["name"] == "save (fix)")
+    assert "save_state" in save["values"]["phases_s"]
+    assert "RESULT: PASS, every check passed" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_full_file_system_fails_the_save_on_every_rank_with_one_reason_and_every_rank_exits_1(tmp_path):
+    """Real fault: a 30 MB tmpfs for a checkpoint of about 43 MB."""
+    from ckptdoctor.repro.launcher import launch
+
+    with small_tmpfs(tmp_path / "full", "30m") as full:
+        result = launch(["-m", "ckptdoctor", "selftest", "--dir", str(full), "--json", str(tmp_path / "r.json")], 2,
+                        tmp_path / "job.log", timeout_s=300)
+        left = list(full.iterdir())
+    assert result.returncodes == [1, 1] and result.torn_down == [], (tmp_path / "job.log").read_text()[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["free space"]["verdict"] == "FAIL" and "MB free" in checks["free space"]["detail"]
+    assert checks["save (fix)"]["verdict"] == "FAIL"
+    save = checks["save (fix)"]["detail"]
+    # every rank failed in DCP's write, and every rank reports the same abort (torch's writer says
+    # ENOSPC, or, when the zip writer's short write hits first, "unexpected pos")
+    assert save.startswith("rank 0: CheckpointAborted: checkpoint aborted at 'save_state': rank(s) 0-1: in DCP on "
+                           "rank(s) 0-1: ") and save.endswith("(and 1 more rank(s))"), save
+    assert "No space left on device" in save or "unexpected pos" in save, save
+    assert [checks[n]["verdict"] for n in ("visible on every rank", "load (fix)", "load (stock)")] == ["SKIP"] * 3
+    assert left == []  # nothing half-written is left behind
+    assert "RESULT: FAIL: 2 failed (save (fix), free space), 3 skipped because of it" in \
+        (tmp_path / "job.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.__version__.split("+")[0] != "2.8.0", reason="on the user's stack only: the launcher, not torch")
+def test_two_ranks_under_accelerate_launch_pass(tmp_path):
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "-m", "ckptdoctor", "selftest",
+                           "--dir", "ckpt", "--json", "r.json"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["world_size"] == 2 and set(verdicts(report).values()) == {"PASS"}
+
+
+def test_the_open_file_limit_is_checked_against_the_real_jobs_ranks():
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert open_files(2).ok
+    too_many = open_files(soft)  # 2 x (N - 1) + 1024 sockets and files needed: more than the limit
+    assert too_many.ok is False and f"ulimit -n is {soft}" in too_many.detail
+
+
+def test_mtime_granularity_reports_whole_seconds_on_a_file_system_that_keeps_them(tmp_path):
+    """Real fault: ext4 with 128-byte inodes on a loop device."""
+    with coarse_timestamps(tmp_path / "coarse") as coarse:
+        check = mtime_granularity(coarse)
+    assert check.ok and check.values["granularity_ns"] == 1_000_000_000, check
+    fine = mtime_granularity(tmp_path)
+    assert fine.values["granularity_ns"] < 1_000_000_000, fine
+
+
+def test_merging_names_the_first_failing_rank_and_keeps_the_slowest_time():
+    ranks = [Check("save", True, 1.0, "ok"), Check("save", False, 0.5, "ENOSPC"), Check("save", False, 2.0, "ENOSPC")]
+    merged = merge(ranks)
+    assert (merged.ok, merged.seconds, merged.detail) == (False, 2.0, "rank 1: ENOSPC (and 1 more rank(s))")
+    assert merged.values["failed_ranks"] == [1, 2]
+    assert merge([Check("x", None, 0.0, "skipped")] * 2).ok is None
+
+
+def test_bad_input_is_refused_in_one_line():
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor", "selftest", "--dir", "x", "--width", "255"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "ckptdoctor: error: --width must be even (the audio tower is half as wide), got 255"]
