@@ -254,7 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--ranks", type=int, required=True, help="world size N")
     check.add_argument("--layout", default="fsdp", help="fsdp or hsdp:S (default fsdp)")
     check.add_argument("--mode", choices=("sft", "lora"), default="sft")
-    check.add_argument("--torch", default="2.8.0", help="torch version of the job (2.8.0 or 2.14.1)")
+    check.add_argument("--torch", default=None,
+                       help="torch version of the job (default: the torch installed here, so run it in the job's "
+                            "image; in a checkout, 2.8.0 or 2.14.1 run in that stack's .venv)")
     check.add_argument("--deadline", type=float, default=1800.0, help="the save's gloo deadline in s (default 1800)")
     check.add_argument("--warn-fraction", type=float, default=0.5, help="warn at this fraction (default 0.5)")
     check.add_argument("--json", metavar="PATH")

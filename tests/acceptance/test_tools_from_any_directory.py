@@ -3,8 +3,8 @@ console script, relative paths, once from the checkout root and once from anothe
 Each asserts the verdict, the exit status and what landed where the relative path points.
 
 `diagnose` and `simulate` run on the reporter's stack only (the path handling is the same on
-both); `check` runs once per stack, for that stack's torch: 2.8.0 from the checkout root, 2.14.1
-from elsewhere. (`check` starts the measured stack's own environment, and scripts/test sets up
+both); `check` runs once per stack, for that stack's torch: 2.8.0 from the checkout root, named,
+2.14.1 from elsewhere with no --torch (the torch installed with the interpreter, as in an image). (`check` starts the measured stack's own environment, and scripts/test sets up
 the newest stack only after the reporter's stack's tests ran.)"""
 
 import json
@@ -67,10 +67,13 @@ def test_check_warns_names_the_fix_and_writes_a_relative_json(cwd, torch_version
     if installed_versions()[0] != torch_version:
         pytest.skip(f"torch {torch_version}'s case runs on its own stack")
     where, out = cwd
-    proc = run([CKPTDOCTOR, "check", "--ranks", "16", "--layout", "hsdp:8", "--torch", torch_version,
+    # from the checkout root the stack is named; elsewhere no --torch: the torch installed here, as in an image
+    named = ["--torch", torch_version] if where == REPO else []
+    proc = run([CKPTDOCTOR, "check", "--ranks", "16", "--layout", "hsdp:8", *named,
                 "--deadline", "1", "--warn-fraction", "0.1", "--json", str(out / "check.json")], where)
     assert proc.returncode == 3, proc.stderr
     result = json.loads((where / out / "check.json").read_text())
+    assert result["torch"] == torch_version
     assert {(r["planner"], r["save"]) for r in result["records"]} == {(p, s) for p in ("stock", "ours")
                                                                        for s in ("model", "optimizer")}
     assert any("optimizer save" in w and "ScalableSavePlanner" in w for w in result["warnings"])

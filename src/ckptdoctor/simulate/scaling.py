@@ -26,6 +26,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from ..errors import CkptDoctorError
@@ -53,7 +54,12 @@ class ScalingOptions:
     parallel: int = 2
 
 
+HERE = "here"  # this interpreter and the torch installed with it (an installed wheel, no checkout)
+
+
 def stack_python(stack: str) -> str:
+    if stack == HERE:
+        return sys.executable
     python = REPO / ".venv" / stack / "bin" / "python"
     if stack not in STACKS:
         raise CkptDoctorError(f"unknown stack {stack!r}; expected one of: {', '.join(STACKS)}")
@@ -310,16 +316,23 @@ def plot(records: list[dict], path: str) -> None:
 
 # -- `ckptdoctor check`: the cost model, asked before a job starts ------------------------
 
-def stack_for_torch(version: str) -> str:
+def stack_for_torch(version: str | None) -> str:
+    """The interpreter that measures torch `version`: this one when it has that torch (or no
+    version is asked for), else a checkout's `.venv/<stack>` with it."""
+    from ..fix.compat import installed_versions
+
+    if version is None or version == installed_versions()[0]:
+        return HERE
     for name, stack in STACKS.items():
         if stack.torch == version:
             return name
-    known = ", ".join(s.torch for s in STACKS.values())
-    raise CkptDoctorError(f"no cost model for torch {version}; measured stacks: torch {known}")
+    raise CkptDoctorError(f"torch {version} is neither installed here (torch {installed_versions()[0]}) nor one of "
+                          f"a checkout's stacks (torch {', '.join(s.torch for s in STACKS.values())}); run check "
+                          f"where that torch is installed")
 
 
-def check_layout(ranks: int, layout: Layout, mode: str, torch_version: str, deadline_s: float, warn_fraction: float,
-                 progress=print) -> dict:
+def check_layout(ranks: int, layout: Layout, mode: str, torch_version: str | None, deadline_s: float,
+                 warn_fraction: float, progress=print) -> dict:
     """Predict rank 0's planning for the model and optimizer saves (stock and ours) and
     warn when a stock save reaches `warn_fraction` of the deadline."""
     layout.check(ranks)
@@ -332,5 +345,8 @@ def check_layout(ranks: int, layout: Layout, mode: str, torch_version: str, dead
                 f"use ckptdoctor's ScalableSavePlanner (docs/fix-for-mova.md): about "
                 f"{_fmt_s(next(o['coordinator_s'] for o in records if o['planner'] == 'ours' and o['save'] == r['save']))}"
                 for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
+    if stack == HERE:
+        from ..fix.compat import installed_versions
+        torch_version = installed_versions()[0]
     return {"ranks": ranks, "layout": str(layout), "mode": mode, "torch": torch_version, "deadline_s": deadline_s,
             "warn_fraction": warn_fraction, "records": records, "warnings": warnings}
