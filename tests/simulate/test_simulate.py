@@ -146,7 +146,7 @@ def test_simulate_cli_bad_input_is_one_clear_line(args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ranks", "1144", "--torch", "2.9.0"], "no cost model for torch 2.9.0"),
+    (["--ranks", "1144", "--torch", "2.9.0"], "torch 2.9.0 is neither installed here"),
     (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
     (["--ranks", "8", "--warn-fraction", "2"], "--warn-fraction must be in (0, 1]"),
 ])

@@ -1,17 +1,21 @@
 """Which torch and Accelerate versions the fix is checked against, and the gate that says so.
 
-The fix relies on DCP's planner/storage interfaces and on how Accelerate calls DCP; both are
-read from the source of the versions listed here and pinned in tests. Any other version is
-refused with one clear line rather than saved through code paths nobody has checked, unless
-CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS=1: then it is logged once, as a warning, and allowed.
-torch_npu is named by the torch it is built for (torch_npu 2.8.0.post2 runs on torch 2.8.0):
-the gate checks torch.
+The fix relies on DCP's planner/storage interfaces and on how Accelerate calls DCP. The gate
+accepts the ranges a compatibility run passed (`benchmarks/compat_matrix.py`, raw outcomes in
+`docs/evidence/compat_matrix.jsonl`: the fix's core tests on a release of every torch minor from
+2.8 to 2.14 with Accelerate 1.15.0, and Accelerate 1.13.0 and 1.14.0 with torch 2.8.0; CI runs
+the whole suite on torch 2.8.0 + Accelerate 1.13.0 and 2.14.1 + 1.15.0). Anything outside, a
+pre-release included, is refused with one clear line rather than saved through code paths nobody
+has checked, unless CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS=1: then it is logged once, as a warning,
+and allowed. torch_npu is named by the torch it is built for (torch_npu 2.8.0.post2 runs on torch
+2.8.0, torch_npu 2.14.0 on torch 2.14.0): the gate checks torch.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from importlib import metadata
 
 from ..errors import UnsupportedVersion
@@ -20,7 +24,21 @@ OVERRIDE = "CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS"
 log = logging.getLogger("ckptdoctor.compat")
 _warned: set[str] = set()
 
-CHECKED = {"torch": ("2.8.0", "2.14.1"), "accelerate": ("1.13.0", "1.15.0")}
+CHECKED = {"torch": ("2.8.0", "2.14.1"), "accelerate": ("1.13.0", "1.15.0")}  # (lowest, highest), inclusive
+RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+
+
+def within(version: str, package: str) -> bool:
+    """Whether `version` (a final release, local tag dropped) lies in the checked range of `package`."""
+    match = RELEASE.match(version)
+    if not match:
+        return False
+    low, high = (tuple(map(int, v.split("."))) for v in CHECKED[package])
+    return low <= tuple(map(int, match.groups())) <= high
+
+
+def describe_checked(package: str) -> str:
+    return f"{package} {CHECKED[package][0]} to {CHECKED[package][1]}"
 
 
 def installed_versions() -> tuple[str, str]:
@@ -43,15 +61,15 @@ def torch_npu_note() -> str:
 
 def check_torch(what: str) -> None:
     torch_v = installed_versions()[0]
-    if torch_v not in CHECKED["torch"]:
-        _refuse(f"{what} is checked on torch {'/'.join(CHECKED['torch'])}, not torch {torch_v}{torch_npu_note()}")
+    if not within(torch_v, "torch"):
+        _refuse(f"{what} is checked on {describe_checked('torch')}, not torch {torch_v}{torch_npu_note()}")
 
 
 def check_versions(what: str = "ScalableCheckpointing") -> None:
     torch_v, accelerate_v = installed_versions()
-    if torch_v not in CHECKED["torch"] or accelerate_v not in CHECKED["accelerate"]:
-        _refuse(f"{what} is checked on torch {'/'.join(CHECKED['torch'])} and accelerate "
-                f"{'/'.join(CHECKED['accelerate'])}, not torch {torch_v}{torch_npu_note()} / accelerate {accelerate_v}")
+    if not (within(torch_v, "torch") and within(accelerate_v, "accelerate")):
+        _refuse(f"{what} is checked on {describe_checked('torch')} and {describe_checked('accelerate')}, not torch "
+                f"{torch_v}{torch_npu_note()} / accelerate {accelerate_v}")
 
 
 def _refuse(message: str) -> None:
