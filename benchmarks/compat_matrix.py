@@ -2,6 +2,7 @@
 
     python benchmarks/compat_matrix.py [--torch 2.9.1,2.10.0] [--accelerate 1.15.0] \
         [--out docs/evidence/compat_matrix.jsonl]
+    python benchmarks/compat_matrix.py --table docs/evidence/compat_matrix.jsonl   # the newest row per pair
 
 For each (torch, accelerate) pair, one at a time: a scratch venv outside the checkout, the pair
 and ckptdoctor (built from a scratch worktree of this checkout's HEAD, not editable) with its test extras, then the fix's
@@ -69,12 +70,32 @@ def one_pair(torch_v: str, accelerate_v: str, work: Path) -> dict:
     return row
 
 
+def table(path: str) -> str:
+    """A markdown table of the newest row per (torch, accelerate) pair in a JSON-lines file."""
+    newest = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        newest[(row["torch"], row["accelerate"])] = row
+    lines = ["| torch | Accelerate | run at | tests passed / failed | result |", "|---|---|---|---|---|"]
+    for (torch_v, accelerate_v), row in sorted(newest.items(), key=lambda kv: [int(x) for x in kv[0][0].split(".")]):
+        tests = row.get("tests", {}).values()
+        passed, failed = sum(t.get("passed", 0) for t in tests), sum(t.get("failed", 0) for t in tests)
+        result = "pass" if row.get("passed") else ("not installed: " + row.get("error", "?")) if not row.get(
+            "installed") else "FAIL: " + next(t["first_failure"] for t in tests if t["exit"] != 0)[:80]
+        lines.append(f"| {torch_v} | {accelerate_v} | {row['at'][:16]} | {passed} / {failed} | {result} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--torch", default="2.9.1,2.10.0,2.11.0,2.12.0,2.13.0", help="comma-separated")
+    parser.add_argument("--torch", default="2.9.1,2.10.0,2.11.0,2.12.1,2.13.0,2.14.0", help="comma-separated")
     parser.add_argument("--accelerate", default="1.15.0", help="comma-separated")
     parser.add_argument("--out", help="append one JSON line per pair here")
+    parser.add_argument("--table", metavar="JSONL", help="print the newest row per pair of this file as markdown; run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return 0
     for torch_v in args.torch.split(","):
         for accelerate_v in args.accelerate.split(","):
             work = Path(tempfile.mkdtemp(prefix="ckptdoctor-compat-"))
