@@ -105,6 +105,23 @@ def check_dependencies() -> None:
                              f"installs them from requirements/)")
 
 
+_warmed: set[str] = set()
+
+
+def warm_first_imports(python: str, env: dict) -> None:
+    """Import mmengine once, in one process, before eight ranks of MOVA do it at once.
+
+    On a fresh environment the first `import mmengine` makes yapf write its grammar cache
+    (`~/.cache/YAPF/.../*.pickle`, not atomically), and a rank that reads it while another writes
+    fails with `EOFError: Ran out of input` (seen on a fresh clone's first reproduction). Done
+    once per interpreter; a failure here is left for the launch to report."""
+    if python in _warmed:
+        return
+    subprocess.run([python, "-c", "import mmengine.config"], env=env,
+                   capture_output=True, timeout=900)
+    _warmed.add(python)
+
+
 def apply_patch(tree: Path, check_only: bool = False) -> None:
     """Apply the fix's patch to a copy of the extract; it counts as applied when the patched
     files hash to PATCHED_FILES (one clear line otherwise)."""
@@ -218,6 +235,7 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
                                                                               os.environ.get("PYTHONPATH")]))}
+    warm_first_imports(args[0], env)
     with open(log_path, "w") as log:
         try:
             proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=run.job_timeout_s,
