@@ -200,10 +200,11 @@ class ScalableCheckpointing:
         choice = self._rank0_decides("find the latest checkpoint",
                                      lambda: str(newest_loadable(root, subdir, legacy) or ""))
         if not choice:
-            if not legacy and self.rank == 0 and complete_steps(root, subdir, legacy=True):
+            stock = complete_steps(root, subdir, legacy=True) if not legacy and self.rank == 0 else []
+            if stock:
                 log.warning("ckptdoctor: no step under %s is marked complete; stock saves there (newest %s) are not "
                             "resumed from when publishing in place: pass legacy=True to latest() to count them",
-                            root, complete_steps(root, subdir, legacy=True)[0])
+                            root, stock[0])
             return None
         path = Path(choice)
         self._every_rank_agrees(f"see {path} complete", lambda: require_complete(path, legacy))

@@ -113,7 +113,7 @@ def load_and_compare(name: str, load, trained: TrainedModel, expected: str) -> C
         got = trained.digest()
         if got != expected:
             return False, f"shards differ from the saved ones after the load (sha256 {got[:12]} != {expected[:12]})", {}
-        return True, f"every rank's shards equal the saved ones (sha256 of parameters and optimizer state)", {}
+        return True, "every rank's shards equal the saved ones (sha256 of parameters and optimizer state)", {}
     return timed(name, work)
 
 

@@ -36,6 +36,7 @@ def run(opts: Options, progress=print) -> tuple[int, dict | None]:
     """Every rank: (exit status, rank 0's report or None on other ranks)."""
     import torch.distributed as dist
 
+    from ..fix.heartbeat import job_store
     from .backend import start
 
     job = start(opts.backend, opts.timeout_s)
@@ -48,7 +49,7 @@ def run(opts: Options, progress=print) -> tuple[int, dict | None]:
     mine: list[Check] = [directory(root, job.rank)]
     writable = all(_gather(coord, mine[0].ok))
     mine += [directory_fsync(root) if writable else _skipped("directory fsync"), open_files(job_ranks),
-             store_capacity(_job_store(), job.rank, job.world_size, job_ranks)]
+             store_capacity(job_store(), job.rank, job.world_size, job_ranks)]
     say("  environment checked; building the model")
     trained, built = _build(job, opts)
     mine.append(built)
@@ -173,9 +174,3 @@ def _broadcast(group, value):
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     return box[0]
-
-
-def _job_store():
-    from ..fix.heartbeat import job_store
-
-    return job_store()
