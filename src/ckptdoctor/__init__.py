@@ -5,6 +5,8 @@ The package's concerns, one sub-package each:
 * ``ckptdoctor.fix``: what a training job imports (planner, storage writer, checkpointing,
   save watchdog). Needs torch (and Accelerate for ``ScalableCheckpointing``), nothing else.
 * ``ckptdoctor.diagnose``: reading logs of failed saves and loads (no torch needed).
+* ``ckptdoctor.check`` and ``ckptdoctor.selftest``: what a user runs before and on the cluster
+  (a prediction of rank 0's planning at N ranks; a save and load under the job's launcher).
 * ``ckptdoctor.repro`` and ``ckptdoctor.simulate``: the lab, which reproduces the hang with
   real processes and simulates rank 0's work at thousands of ranks.
 

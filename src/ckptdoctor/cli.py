@@ -82,8 +82,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def cmd_simulate(args) -> int:
-    from .simulate.scaling import ScalingOptions, build_records, format_table, measure_all, plot
-    from .simulate.save import Layout
+    from .check.cost_model import ScalingOptions, build_records, format_table, measure_all
+    from .check.layout import Layout
+    from .simulate.scaling import plot, stack_python
 
     layouts = [Layout.parse(x) for x in args.layout.split(",")]
     for n in args.ranks:
@@ -98,7 +99,8 @@ def cmd_simulate(args) -> int:
     print(f"simulating MOVA ({args.mode}) saves at N={','.join(map(str, opts.ranks))}, layouts "
           f"{','.join(map(str, layouts))}, stacks {','.join(stacks)} (measured up to N={opts.max_measured}, "
           f"validation up to N={opts.max_validated})", flush=True)
-    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True)))
+    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True),
+                                              python_for=stack_python))
     print(format_table(records))
     _write_json(args.json, records)
     if args.plot:
@@ -130,13 +132,17 @@ def cmd_diagnose(args) -> int:
 
 
 def cmd_check(args) -> int:
-    from .simulate.scaling import check_layout, format_table
-    from .simulate.save import Layout
+    from .check.cost_model import format_table
+    from .check.layout import Layout
+    from .check.preflight import check_saves
 
     if not 0 < args.warn_fraction <= 1:
         raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {args.warn_fraction}")
-    result = check_layout(args.ranks, Layout.parse(args.layout), args.mode, args.torch, args.deadline,
-                          args.warn_fraction, progress=lambda line: print(line, flush=True))
+    result = check_saves(args.ranks, Layout.parse(args.layout), args.deadline, args.warn_fraction, mode=args.mode,
+                         checkpoint=args.from_checkpoint, torch_version=args.torch,
+                         progress=lambda line: print(line, flush=True))
+    for line in result["notes"]:
+        print(f"note: {line}")
     print(format_table(result["records"]))
     for line in result["warnings"]:
         print(f"WARNING: {line}")
@@ -248,15 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser(
         "check", help="before launching: predict rank 0's planning time for a layout and warn",
-        description="Runs the cost model (ckptdoctor simulate's measurements and fits) for one layout and torch "
-                    "version, and warns when a stock save would plan for a given fraction of the deadline. "
-                    "Exit status 3 when it warns. Takes a minute or two.")
+        description="Runs the cost model (torch's own planner on meta tensors under its fake process group, measured "
+                    "at small N and fitted beyond) with the torch installed here, for MOVA's saves or an existing "
+                    "checkpoint's, and warns when a stock save would plan for a given fraction of the deadline. "
+                    "Takes a few minutes.",
+        epilog="exit status: 0 no warning; 3 a stock save reaches --warn-fraction of the deadline; 2 bad input")
     check.add_argument("--ranks", type=int, required=True, help="world size N")
     check.add_argument("--layout", default="fsdp", help="fsdp or hsdp:S (default fsdp)")
-    check.add_argument("--mode", choices=("sft", "lora"), default="sft")
+    check.add_argument("--mode", choices=("sft", "lora"), default="sft", help="MOVA's training mode (default sft)")
+    check.add_argument("--from-checkpoint", metavar="DIR",
+                       help="predict the saves of this DCP checkpoint instead of MOVA's: DIR holds a .metadata, or "
+                            "its subdirectories do (an Accelerate save_state directory). A tensor the checkpoint "
+                            "holds in several chunks is taken as FSDP-sharded, one in a single chunk as replicated")
     check.add_argument("--torch", default=None,
-                       help="torch version of the job (default: the torch installed here, so run it in the job's "
-                            "image; in a checkout, 2.8.0 or 2.14.1 run in that stack's .venv)")
+                       help="the job's torch version, checked against the one installed here (check measures the "
+                            "torch installed with its interpreter: run it in the job's image; in a checkout, "
+                            ".venv/<stack>/bin/ckptdoctor)")
     check.add_argument("--deadline", type=float, default=1800.0, help="the save's gloo deadline in s (default 1800)")
     check.add_argument("--warn-fraction", type=float, default=0.5, help="warn at this fraction (default 0.5)")
     check.add_argument("--json", metavar="PATH")

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 LAB = ("ckptdoctor.repro", "ckptdoctor.simulate", "ckptdoctor.diagnose")
 TOOLS = ("matplotlib", "hypothesis", "pytest")
 
@@ -62,15 +64,16 @@ def test_the_fix_imports_nothing_above_or_beside_it():
                     f"{path.name} imports {target}"
 
 
-def test_the_selftest_a_user_runs_on_the_cluster_needs_no_lab():
-    """Read the sources (its imports are inside functions): ckptdoctor.selftest imports the fix,
-    errors and itself, never the lab or plotting."""
+@pytest.mark.parametrize("tool", ["selftest", "check"])
+def test_the_tools_a_user_runs_on_the_cluster_need_no_lab(tool):
+    """Read the sources (their imports are inside functions): ckptdoctor.selftest and
+    ckptdoctor.check import the fix, errors and themselves, never the lab or plotting."""
     import ast
+    import importlib
     from pathlib import Path
 
-    import ckptdoctor.selftest
-
-    for path in Path(ckptdoctor.selftest.__file__).parent.glob("*.py"):
+    package = importlib.import_module(f"ckptdoctor.{tool}")
+    for path in Path(package.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level:
                 target = "." * node.level + (node.module or "")

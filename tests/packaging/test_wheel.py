@@ -59,7 +59,7 @@ def image(wheel, tmp_path_factory):
     return python, site
 
 
-def test_a_2_rank_save_with_the_installed_wheel_loads_bit_exactly_with_stock_dcp(image, tmp_path):
+def test_a_2_rank_save_with_the_installed_wheel_loads_bit_exactly_and_check_predicts_it(image, tmp_path):
     python, site = image
     ckpt = tmp_path / "ckpt"
     # PYTHONPATH emptied: the image sees only its own site-packages and the stack's torch
@@ -70,6 +70,16 @@ def test_a_2_rank_save_with_the_installed_wheel_loads_bit_exactly_with_stock_dcp
     for report in reports:
         assert report["ckptdoctor"].startswith(site), report  # the wheel's copy, not this checkout's
         assert report["mode"] == "derived" and report["mismatches"] == []
+
+
+    # check, from the installed wheel, predicts that checkpoint's save at 16 ranks (a relative path)
+    proc = subprocess.run([str(python), "-m", "ckptdoctor", "check", "--ranks", "16", "--from-checkpoint", "ckpt",
+                           "--json", "check.json"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "check.json").read_text())
+    assert {(r["save"], r["planner"]) for r in result["records"]} == {("ckpt", "stock"), ("ckpt", "ours")}
+    assert "OK: every save plans in under 50% of the 1800 s deadline" in proc.stdout
 
 
 def test_selftest_at_8_ranks_runs_from_the_installed_wheel_with_no_checkout(image, tmp_path):

@@ -1,6 +1,6 @@
 import torch
 
-from ckptdoctor.repro.model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, MovaShape, build_model,
+from ckptdoctor.check.mova_model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, MovaShape, build_model,
                                     tensor_counts)
 
 

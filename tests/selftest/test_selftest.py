@@ -74,14 +74,31 @@ def test_a_full_file_system_fails_the_save_on_every_rank_with_one_reason_and_eve
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.__version__.split("+")[0] != "2.8.0", reason="on the user's stack only: the launcher, not torch")
-def test_two_ranks_under_accelerate_launch_pass(tmp_path):
+def test_two_ranks_under_accelerate_launch_pass_and_check_predicts_their_checkpoint(tmp_path):
+    """Then `check --from-checkpoint`, with a relative path, on the Accelerate directory those two
+    real FSDP2 processes wrote: one save per DCP checkpoint in it, every rank's items counted."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "-m", "ckptdoctor", "selftest",
-                           "--dir", "ckpt", "--json", "r.json"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+                           "--dir", "ckpt", "--json", "r.json", "--keep"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["world_size"] == 2 and set(verdicts(report).values()) == {"PASS"}
+
+    written = next(tmp_path.glob("ckpt/**/optimizer_0/.metadata")).parent.parent.relative_to(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor", "check", "--ranks", "16", "--from-checkpoint",
+                           str(written), "--deadline", "1e-6", "--json", "check.json"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 3, proc.stdout[-3000:] + proc.stderr[-3000:]  # any stock save exceeds 1 us
+    result = json.loads((tmp_path / "check.json").read_text())
+    saves = {r["save"]: r for r in result["records"] if r["planner"] == "stock"}
+    assert sorted(saves) == ["optimizer_0", "pytorch_model_fsdp_0"]
+    for name, record in saves.items():
+        entries = FileSystemReader(str(tmp_path / written / name)).read_metadata().state_dict_metadata
+        assert record["measured"] and record["items_gathered"] == 16 * len(entries)  # one item per entry per rank
+    assert result["mode"] == "checkpoint" and len(result["warnings"]) == 2
 
 
 def test_the_open_file_limit_is_checked_against_the_real_jobs_ranks():

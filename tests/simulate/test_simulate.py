@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from ckptdoctor.check.cost_model import _extrapolate_linear, _extrapolate_power
+from ckptdoctor.check.layout import Layout
+from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.rank0 import measure_coordinator, validation_seconds_per_tensor
+from ckptdoctor.check.state_dicts import mova_specs
 from ckptdoctor.errors import BadLayout
-from ckptdoctor.repro.model import MovaShape
-from ckptdoctor.simulate.save import Layout, measure_coordinator, parameter_specs, validation_seconds_per_tensor
-from ckptdoctor.simulate.scaling import _extrapolate_linear, _extrapolate_power
 
 from support.fake_ranks import leave_fake_world
 from support.metadata import describe_metadata, listed_items, written_items
@@ -20,7 +22,7 @@ SHAPE = MovaShape().with_layers(12)
 
 
 def run_simulate_job(job: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ckptdoctor.simulate.save", json.dumps(job)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptdoctor.check.rank0", json.dumps(job)], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -35,9 +37,9 @@ def test_derived_plans_equal_constructed_ones_on_sampled_ranks(layout, ranks, sa
 
 def test_a_wrong_derivation_is_caught():
     """verify_derivation must be able to fail: compare against a different layout's plans."""
-    from ckptdoctor.simulate import save as simulate
+    from ckptdoctor.check import rank0 as simulate
 
-    specs = parameter_specs(SHAPE, "sft")
+    specs = mova_specs(SHAPE, "sft")
     original = simulate.derive_plan
     try:
         simulate.derive_plan = lambda plan0, planner0, rank, ranks, layout: plan0  # "every rank = rank 0"
@@ -76,7 +78,7 @@ WIDE = dataclasses.replace(MovaShape(), video_dim=64, video_ffn=128, audio_dim=6
 
 
 def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
-    specs, layout = parameter_specs(WIDE, "sft"), Layout.parse("fsdp")
+    specs, layout = mova_specs(WIDE, "sft"), Layout.parse("fsdp")
     try:
         runs = interleaved_best(lambda n: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
                                                                                 validation_sample=1).phase_s.items()
@@ -89,9 +91,9 @@ def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
 
 def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_within_30_percent():
     """scaling._ours_at extrapolates ScalableSavePlanner's finish step in the items written."""
-    from ckptdoctor.simulate.save import measure_planning_ours
+    from ckptdoctor.check.rank0 import measure_planning_ours
 
-    specs, layout, ns = parameter_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
+    specs, layout, ns = mova_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
     try:
         finish = interleaved_best(lambda n: sum(measure_coordinator("optimizer", specs, n, layout,
                                                                     planner="ours").phase_s.values()), ns)
@@ -106,7 +108,7 @@ def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_with
 def test_extrapolation_follows_the_line_and_never_lowers_a_peak():
     """scaling._on_the_line: every phase and total on the line through the two largest x
     (N, or the items written at N), and the peak memory floored at the largest measured."""
-    from ckptdoctor.simulate.scaling import _on_the_line
+    from ckptdoctor.check.cost_model import _on_the_line
 
     def at(n, seconds, peak):
         return {"phase_s": {"validate": seconds}, "bytes_to_rank0": 10 * n, "peak_mem_bytes": peak}
@@ -146,7 +148,7 @@ def test_simulate_cli_bad_input_is_one_clear_line(args, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--ranks", "1144", "--torch", "2.9.0"], "torch 2.9.0 is neither installed here"),
+    (["--ranks", "1144", "--torch", "2.9.0"], "--torch 2.9.0: this interpreter has torch"),
     (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
     (["--ranks", "8", "--warn-fraction", "2"], "--warn-fraction must be in (0, 1]"),
 ])
@@ -163,9 +165,10 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from ckptdoctor.fix.planner import build_metadata
-    from ckptdoctor.simulate.save import _default_metadata, build_state_dict, init_fake_world, rank_plans, scalable_local_plan
+    from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, rank_plans, scalable_local_plan
+    from ckptdoctor.check.state_dicts import build_state_dict
 
-    specs = parameter_specs(SHAPE, mode)
+    specs = mova_specs(SHAPE, mode)
     try:
         for save in ("model", "optimizer"):
             stock = list(rank_plans(save, specs, 16, Layout.parse(layout), "stock"))

@@ -5,10 +5,10 @@ import dataclasses
 
 import pytest
 
-from ckptdoctor.repro.model import MovaShape
+from ckptdoctor.check.mova_model import MovaShape
 from ckptdoctor.repro.stacks import current_stack
 from ckptdoctor.simulate.load_scaling import LoadOptions, build_records, measure_cell, on_the_chunk_line
-from ckptdoctor.simulate.save import Layout
+from ckptdoctor.check.layout import Layout
 
 SHAPE = MovaShape.real().with_layers(4)  # real widths: a tensor has a chunk on every one of N ranks
 

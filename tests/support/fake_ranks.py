@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 def fake_world(rank: int, world: int, mesh_shape: tuple[int, ...]):
     """Rank `rank` of `world` in torch's fake process group, on a 1-D (fsdp) or 2-D (hsdp) mesh."""
-    from ckptdoctor.simulate.save import Layout, init_fake_world
+    from ckptdoctor.check.layout import Layout
+    from ckptdoctor.check.rank0 import init_fake_world
 
     layout = Layout.parse("fsdp" if len(mesh_shape) == 1 else f"hsdp:{mesh_shape[1]}")
     assert layout.mesh_shape(world) == mesh_shape
@@ -40,7 +41,7 @@ def random_state_dicts(draw):
 def build_random(mesh, dtensors, plain, values) -> dict:
     from torch.distributed.tensor import Replicate, Shard
 
-    from ckptdoctor.simulate.save import _meta_dtensor
+    from ckptdoctor.check.state_dicts import _meta_dtensor
 
     state = {f"d{i}": _meta_dtensor(shape, mesh, [Replicate() if p is None else Shard(p) for p in placements])
              for i, (shape, placements) in enumerate(dtensors)}

@@ -108,7 +108,7 @@ class SaveProbe(logging.Handler):
     def _record_local_plans(self) -> None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        from ..simulate.save import plan_signature
+        from ..check.rank0 import plan_signature
 
         original = self._originals[(DefaultSavePlanner, "create_local_plan")] = DefaultSavePlanner.create_local_plan
         probe = self

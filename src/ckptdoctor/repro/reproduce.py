@@ -34,7 +34,7 @@ from ..fix.compat import installed_versions
 from ..ranks import format_ranks
 from .config import TrainingConfig
 from .launcher import launch
-from .model import MovaShape
+from ..check.mova_model import MovaShape
 from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
 from .worker import WorkerSpec
 

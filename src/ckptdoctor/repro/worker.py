@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from .config import TrainingConfig
-from .model import MovaShape
+from ..check.mova_model import MovaShape
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """A DCP load at N ranks, on torch's own code, in one process: what every rank and rank 0 pay.
 
-The checkpoint is the one a save of MOVA's state dict at N ranks writes (save.py builds that
+The checkpoint is the one a save of MOVA's state dict at N ranks writes (check/rank0.py builds that
 state dict with meta DTensors under torch's fake process group):
 
 * stock-written: what `FileSystemWriter` writes, one chunk list object per tensor and one storage
@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from .save import Layout, _rss_bytes, build_state_dict, init_fake_world, parameter_specs
+from ..check.layout import Layout
+from ..check.rank0 import _rss_bytes, init_fake_world
+from ..check.state_dicts import build_state_dict, mova_specs
 
 
 def derived_metadata(save: str, specs, ranks: int, layout: Layout, rank: int = 0):
@@ -213,14 +215,14 @@ def _exchange(payload: bytes, ranks: int, max_materialised: int = 256) -> dict:
 
 
 def main(argv=None) -> int:
-    """Measurement entry point for scaling.py: one JSON job in argv, JSON out."""
+    """Measurement entry point for load_scaling.py: one JSON job in argv, JSON out."""
     import warnings
 
     warnings.filterwarnings("ignore")
     job = json.loads((argv or sys.argv[1:])[0])
-    from ..repro.model import MovaShape
+    from ..check.mova_model import MovaShape
 
-    specs = parameter_specs(MovaShape(**job["shape"]), job["mode"])
+    specs = mova_specs(MovaShape(**job["shape"]), job["mode"])
     layout = Layout.parse(job["layout"])
     if job["kind"] == "load-write-stock":
         out = write_stock(job["save"], specs, job["ranks"], layout, Path(job["dir"]))

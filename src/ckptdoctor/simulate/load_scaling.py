@@ -26,9 +26,10 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CkptDoctorError
-from ..repro.model import MovaShape
-from .save import Layout
-from .scaling import _extrapolate_linear, _fmt_b, _fmt_s, stack_python
+from ..check.cost_model import _extrapolate_linear, _fmt_b, _fmt_s
+from ..check.layout import Layout
+from ..check.mova_model import MovaShape
+from .scaling import stack_python
 
 RANKS_PER_NODE = 8
 STOCK_CHUNK_BUDGET = 2_000_000        # stock-written .metadata materialised up to this many chunks

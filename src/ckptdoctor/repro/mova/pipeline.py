@@ -6,7 +6,7 @@ caption=, global_step=, cp_mesh=)` returning `loss`, `video_loss` and `audio_los
 `text_encoder` / `video_vae` / `audio_vae` attributes it passes to FSDP as ignored modules;
 `accelerate_train.py` calls `scheduler.set_timesteps(...)`. The pipeline has them, with MOVA's
 semantics (`MOVATrain` in mova/diffusion/pipelines/mova_train.py), over ckptdoctor's
-MOVA-shaped model (repro/model.py: two video DiT towers, an audio tower, the bridge), whose
+MOVA-shaped model (check/mova_model.py: two video DiT towers, an audio tower, the bridge), whose
 block classes carry MOVA's names (`DiTBlock`, `ConditionalCrossAttentionBlock`) for the
 accelerate config's transformer wrap. The scheduler is MOVA's own `FlowMatchScheduler`.
 
@@ -24,7 +24,7 @@ from mova.engine.utils.base_pipeline import BasePipeline
 from mova.registry import DATASETS, DIFFUSION_PIPELINES
 from torch.utils.data import Dataset
 
-from ..model import MOVA, MovaShape
+from ...check.mova_model import MOVA, MovaShape
 
 TRAIN_MODULES = ["video_dit", "video_dit_2", "audio_dit", "dual_tower_bridge"]
 

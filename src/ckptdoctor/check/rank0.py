@@ -1,7 +1,7 @@
 """Rank 0's share of a DCP save at N ranks, on torch's own planner code, in one process.
 
 Every rank's local plan comes from torch's `DefaultSavePlanner` run on a state dict of meta
-DTensors with MOVA's real shapes, built under torch's fake process group as rank 0 of N.
+DTensors (MOVA's real shapes, or an existing checkpoint's: state_dicts.py), built under torch's fake process group as rank 0 of N.
 Running the planner for each of N ranks would take hours, so the other ranks' plans are
 derived from rank 0's: a DTensor item differs between ranks only in its chunk, which
 torch's `_compute_local_shape_and_global_offset` gives for any mesh coordinate (the same
@@ -13,7 +13,7 @@ plans, dedup, build the metadata, merge the flatten mappings, validate, the stor
 writer's global step, pickle the scattered plans; and the finish step (unpickle the write
 results, fill in storage data, pickle the metadata). Each phase is timed separately.
 
-This module runs inside one stack's interpreter; `scaling.py` drives it across stacks.
+This module runs inside the interpreter whose torch it measures; `cost_model.py` drives it.
 """
 
 from __future__ import annotations
@@ -27,99 +27,8 @@ import resource
 import time
 from collections import ChainMap
 
-from ..errors import BadLayout
-from ..repro.model import MOVA, MovaShape, inject_lora
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """"fsdp": shard over all N ranks; "hsdp:S": shard over S, replicate N/S times."""
-
-    kind: str
-    shard: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> "Layout":
-        if text == "fsdp":
-            return cls("fsdp")
-        if text.startswith("hsdp:") and text[5:].isdigit() and int(text[5:]) >= 1:
-            return cls("hsdp", int(text[5:]))
-        raise BadLayout(f"unknown layout {text!r}; expected 'fsdp' or 'hsdp:S' (S = shard group size, e.g. hsdp:8)")
-
-    def __str__(self) -> str:
-        return "fsdp" if self.kind == "fsdp" else f"hsdp:{self.shard}"
-
-    def check(self, ranks: int) -> None:
-        if ranks < 1:
-            raise BadLayout(f"the number of ranks must be at least 1, got {ranks}")
-        if self.kind == "hsdp" and ranks % self.shard:
-            raise BadLayout(f"{ranks} ranks are not divisible by the shard group of {self.shard} ({self})")
-
-    def mesh_shape(self, ranks: int) -> tuple[int, ...]:
-        return (ranks,) if self.kind == "fsdp" else (ranks // self.shard, self.shard)
-
-    def coordinate(self, rank: int, ranks: int) -> list[int]:
-        return [rank] if self.kind == "fsdp" else [rank // self.shard, rank % self.shard]
-
-    def placements(self):
-        from torch.distributed.tensor import Replicate, Shard
-
-        return (Shard(0),) if self.kind == "fsdp" else (Replicate(), Shard(0))
-
-
-# -- state dicts as Accelerate's save_fsdp_model / save_fsdp_optimizer pass them --------
-
-def parameter_specs(shape: MovaShape, mode: str) -> list[tuple[str, tuple[int, ...], bool, bool]]:
-    """(fqn, shape, sharded by FSDP, trainable) for every parameter of the model."""
-    import torch
-
-    with torch.device("meta"):
-        model = MOVA(shape)
-        ignored = list(model.frozen_modules())
-        if mode == "lora":
-            ignored += inject_lora(model)
-        else:
-            for module in model.frozen_modules():
-                module.requires_grad_(False)
-    ignored_ids = {id(p) for m in ignored for p in m.parameters()}
-    return [(name, tuple(p.shape), id(p) not in ignored_ids, p.requires_grad) for name, p in model.named_parameters()]
-
-
-def adamw_param_group_template() -> dict:
-    """The non-`params` entries of an AdamW param group, from torch itself."""
-    import torch
-
-    group = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-4).state_dict()["param_groups"][0]
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def build_state_dict(save: str, specs, layout: Layout, mesh) -> dict:
-    """The state dict `dist_cp.save` receives, with meta DTensors for sharded tensors."""
-    import torch
-
-    def tensor(shape, sharded):
-        if not sharded:
-            return torch.empty(shape, device="meta")
-        return _meta_dtensor(shape, mesh, layout.placements())
-
-    if save == "model":  # accelerate/utils/fsdp_utils.py: dist_cp.save(state_dict={"model": state_dict})
-        return {"model": {name: tensor(shp, sharded) for name, shp, sharded, _ in specs}}
-    state = {name: {"step": torch.empty((), device="meta"), "exp_avg": tensor(shp, sharded),
-                    "exp_avg_sq": tensor(shp, sharded)}
-             for name, shp, sharded, trainable in specs if trainable}
-    group = adamw_param_group_template() | {"params": list(state)}
-    return {"optimizer": {"state": state, "param_groups": [group]}}
-
-
-def _meta_dtensor(shape, mesh, placements):
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(torch.empty(local_shape, device="meta"), mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+from .layout import Layout
+from .state_dicts import build_state_dict
 
 
 # -- the fake world ----------------------------------------------------------------------
@@ -493,17 +402,6 @@ def _finish_metadata(metadata, gathered_results):
     return buffer.tell()
 
 
-# -- validation on a sample, at any N ----------------------------------------------------
-
-def shape_classes(save: str, specs) -> dict[tuple[int, ...], int]:
-    """Sharded tensor shapes of the save and how many tensors have each."""
-    classes: dict[tuple[int, ...], int] = {}
-    for _, shp, sharded, trainable in specs:
-        if sharded and (save == "model" or trainable):
-            classes[shp] = classes.get(shp, 0) + (1 if save == "model" else 2)  # exp_avg, exp_avg_sq
-    return classes
-
-
 def validation_seconds_per_tensor(shape: tuple[int, ...], ranks: int, layout: Layout, repeats: int = 1) -> float:
     """torch's `_validate_global_plan` on one tensor of `shape` with the deduplicated chunks
     of `ranks` ranks under `layout` (best of `repeats`)."""
@@ -528,16 +426,27 @@ def validation_seconds_per_tensor(shape: tuple[int, ...], ranks: int, layout: La
     return best
 
 
+def job_specs(job: dict):
+    """The state dicts a job plans: an existing checkpoint's entries, or MOVA's parameters."""
+    from pathlib import Path
+
+    from .mova_model import MovaShape
+    from .state_dicts import mova_specs, read_checkpoint_entries
+
+    if "checkpoint" in job:
+        return read_checkpoint_entries(Path(job["checkpoint"]))[0]
+    return mova_specs(MovaShape(**job["shape"]), job["mode"])
+
+
 def main(argv=None) -> int:
-    """Measurement entry point for scaling.py: one JSON job on stdin/argv, JSON out."""
+    """Measurement entry point for cost_model.py: one JSON job as the argument, JSON out."""
     import json
     import sys
     import warnings
 
     warnings.filterwarnings("ignore")
     job = json.loads((argv or sys.argv[1:])[0])
-    shape = MovaShape(**job["shape"])
-    specs = parameter_specs(shape, job["mode"])
+    specs = job_specs(job)
     layout = Layout.parse(job["layout"])
     if job["kind"] == "coordinator":
         m = measure_coordinator(job["save"], specs, job["ranks"], layout, planner=job.get("planner", "stock"),
@@ -546,7 +455,7 @@ def main(argv=None) -> int:
     elif job["kind"] == "planning":
         out = measure_planning_ours(job["save"], specs, job["ranks"], layout)
     elif job["kind"] == "validation":
-        classes = shape_classes(job["save"], specs)
+        classes = specs.sharded_shapes(job["save"])
         out = {"per_class": [[list(shp), count, validation_seconds_per_tensor(shp, job["ranks"], layout)]
                              for shp, count in classes.items()]}
     elif job["kind"] == "plans":

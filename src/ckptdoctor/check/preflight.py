@@ -1,0 +1,48 @@
+"""The check a user runs before a launch: predict rank 0's planning for each save at N ranks
+(stock and ScalableSavePlanner) with the torch installed here, and warn when a stock save
+would use a given fraction of the deadline."""
+
+from __future__ import annotations
+
+from ..errors import CkptDoctorError
+from .cost_model import ScalingOptions, _fmt_s, build_records, measure_all
+from .layout import Layout
+
+
+def check_saves(ranks: int, layout: Layout, deadline_s: float, warn_fraction: float, *, mode: str = "sft",
+                checkpoint: str | None = None, torch_version: str | None = None, progress=print) -> dict:
+    """MOVA's model and optimizer saves (`mode`), or each DCP checkpoint under `checkpoint`,
+    saved again at `ranks` ranks under `layout`."""
+    from ..fix.compat import installed_versions
+
+    layout.check(ranks)
+    installed = installed_versions()[0]
+    if torch_version not in (None, installed):
+        raise CkptDoctorError(f"--torch {torch_version}: this interpreter has torch {installed}; run check with the "
+                              f"job's interpreter (in a checkout: .venv/<stack>/bin/ckptdoctor check)")
+    checkpoints, notes = _read_checkpoints(checkpoint) if checkpoint else ({}, [])
+    opts = ScalingOptions(ranks=[ranks], layouts=[layout], mode=mode, saves=tuple(checkpoints) or ("model", "optimizer"),
+                          checkpoints=checkpoints, max_validated=min(ranks, 1144))
+    records = build_records(opts, measure_all(opts, progress=progress))
+    ours = {r["save"]: r["coordinator_s"] for r in records if r["planner"] == "ours"}
+    warnings = [f"{r['save']} save: rank 0 plans for about {_fmt_s(r['coordinator_s'])} "
+                f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
+                f"use ckptdoctor's ScalableSavePlanner (docs/fix-for-mova.md): about {_fmt_s(ours[r['save']])}"
+                for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
+    return {"ranks": ranks, "layout": str(layout), "mode": "checkpoint" if checkpoint else mode,
+            "checkpoint": checkpoint, "torch": installed, "deadline_s": deadline_s, "warn_fraction": warn_fraction,
+            "records": records, "warnings": warnings, "notes": notes}
+
+
+def _read_checkpoints(directory: str) -> tuple[dict[str, str], list[str]]:
+    """{save name: absolute path} of each DCP checkpoint there, read once here so that an
+    unreadable one is one line before any measurement starts."""
+    from .state_dicts import find_checkpoints, read_checkpoint_entries
+
+    checkpoints, notes = {}, []
+    for name, path in find_checkpoints(directory):
+        entries, read_notes = read_checkpoint_entries(path)
+        if not entries:
+            raise CkptDoctorError(f"{path}: the checkpoint lists no entries")
+        checkpoints[name], notes = str(path.resolve()), notes + read_notes
+    return checkpoints, notes

@@ -1,0 +1,99 @@
+"""`check --from-checkpoint`: a DCP checkpoint's entries plan at N ranks exactly as the state
+dict that wrote them, and bad input is one line."""
+
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from ckptdoctor.check.layout import Layout
+from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, local_plan, plan_signature, rank_plans
+from ckptdoctor.check.state_dicts import find_checkpoints, mova_specs, read_checkpoint_entries
+from ckptdoctor.errors import CkptDoctorError
+
+from support.fake_ranks import leave_fake_world
+from support.metadata import describe_metadata
+
+SHAPE = MovaShape().with_layers(3)  # tiny widths: many tensors narrower than the shard group (empty chunks)
+
+
+def write_stock_metadata(directory, save, specs, ranks, layout):
+    """The .metadata a stock save of MOVA's `save` at `ranks` ranks writes: torch's own global
+    plan over every rank's local plan (check/rank0.py derives them in the fake world)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    _, metadata = _default_metadata(DefaultSavePlanner()._dedup_save_plans(list(rank_plans(save, specs, ranks,
+                                                                                            layout, "stock"))))
+    directory.mkdir(parents=True)
+    (directory / ".metadata").write_bytes(pickle.dumps(metadata))
+    return metadata
+
+
+@pytest.mark.parametrize("written,replanned", [("fsdp", "fsdp"), ("hsdp:4", "fsdp"), ("fsdp", "hsdp:8")])
+@pytest.mark.parametrize("save", ["model", "optimizer"])
+def test_a_checkpoints_entries_plan_as_the_state_dict_that_wrote_it(tmp_path, save, written, replanned):
+    """Written by 8 ranks, re-planned as rank 3 of 16: the same items (keys, chunks, sizes) as
+    MOVA's own state dict at 16, and the same global metadata as a save at 16 writes."""
+    specs = mova_specs(SHAPE, "sft")
+    try:
+        write_stock_metadata(tmp_path / save, save, specs, 8, Layout.parse(written))
+        entries, notes = read_checkpoint_entries(tmp_path / save)
+        assert notes == []
+        layout = Layout.parse(replanned)
+        mesh = init_fake_world(3, 16, layout)
+        from_checkpoint, _ = local_plan(entries.state_dict(save, layout, mesh))
+        from_model, _ = local_plan(specs.state_dict(save, layout, mesh))
+        assert sorted(plan_signature(from_checkpoint)) == sorted(plan_signature(from_model))
+        assert entries.sharded_shapes(save) == specs.sharded_shapes(save)
+        again = write_stock_metadata(tmp_path / "again", save, entries, 16, layout)
+        expected = write_stock_metadata(tmp_path / "expected", save, specs, 16, layout)
+        assert describe_metadata(again) == describe_metadata(expected)
+    finally:
+        leave_fake_world()
+
+
+def test_a_checkpoint_saved_by_one_rank_is_taken_as_sharded_and_says_so(tmp_path):
+    specs = mova_specs(SHAPE, "sft")
+    try:
+        write_stock_metadata(tmp_path / "model", "model", specs, 1, Layout.parse("fsdp"))
+        entries, notes = read_checkpoint_entries(tmp_path / "model")
+    finally:
+        leave_fake_world()
+    assert len(notes) == 1 and "saved by one rank?" in notes[0]
+    assert all(e.sharded == (e.size is not None and len(e.size) > 0) for e in entries)
+
+
+def test_an_accelerate_directory_is_one_checkpoint_per_subdirectory(tmp_path):
+    for name in ("optimizer_0", "pytorch_model_fsdp_0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    (tmp_path / "random_states_0.pkl").write_bytes(b"")
+    assert [name for name, _ in find_checkpoints(tmp_path)] == ["optimizer_0", "pytorch_model_fsdp_0"]
+    assert find_checkpoints(tmp_path / "optimizer_0") == [("optimizer_0", tmp_path / "optimizer_0")]
+
+
+def corrupt(path):
+    path.mkdir()
+    (path / ".metadata").write_bytes(b"not a pickle")
+    return path
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: p / "missing", "no such directory"),
+    (lambda p: p, "no DCP checkpoint there (no .metadata in it or in its subdirectories)"),
+    (lambda p: corrupt(p / "ckpt"), "cannot read"),
+])
+def test_check_from_a_bad_checkpoint_is_one_clear_line(tmp_path, make, message):
+    target = make(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", "--ranks", "16", "--from-checkpoint",
+                           str(target)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_reading_a_checkpoint_does_not_pass_errors_silently(tmp_path):
+    with pytest.raises(CkptDoctorError, match="cannot read"):
+        read_checkpoint_entries(corrupt(tmp_path / "ckpt"))
