@@ -15,10 +15,10 @@ want="$(cat "$lock" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
-# Fail before pip does, with a message that says how much to free. Measured here
-# (scripts/setup.sh on a fresh clone, df sampled every second): the user stack's install
-# peaks at 10.5 GB, pip's downloads reaching 4.3 GB, and leaves a 6.8 GB venv; the newest
-# stack's venv is 5.7 GB and its torch wheel lies on this machine's disk.
+# Fail before pip does, with a message that says how much to free. Measured here (the
+# figures the README gives; du -sh and df, in GiB): the user stack's install peaks at about
+# 11 GB, pip's downloads included, and leaves a 7.2 GB venv; the newest stack's venv is
+# 6.1 GB and its torch wheel lies on this machine's disk. The limits below are MiB (df -Pm).
 case "$stack" in
   newest) venv_mb=6500 download_mb=500 ;;
   *) venv_mb=7700 download_mb=4500 ;;  # user, and any stack not listed here

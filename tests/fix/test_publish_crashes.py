@@ -28,7 +28,7 @@ class CrashAt:
     """Counts calls to the protocol's file-system operations; the k-th raises Crash."""
 
     OPERATIONS = [(publishing.os, "replace"), (publishing.shutil, "rmtree"), (publishing, "_write_durably"),
-                  (publishing, "_remove_durably"), (publishing, "_remove_entry"), (publishing, "_fsync_dir"),
+                  (publishing, "_remove_durably"), (publishing, "_remove_entry"), (publishing, "fsync_directory"),
                   (ScalableFileSystemWriter, "finish")]
 
     def __init__(self, monkeypatch, k):
@@ -131,9 +131,9 @@ def test_in_place_the_marker_is_written_only_after_every_metadata_and_the_writin
     with monkeypatch.context() as patched:
         crash = CrashAt(patched, 0)  # counts, never crashes
         save(root, 2, 2.0, "in_place")
-    assert crash.calls == ["_write_durably", "_fsync_dir",  # WRITING, before any rank writes
+    assert crash.calls == ["_write_durably", "fsync_directory",  # WRITING, before any rank writes
                            "finish", "replace file", "finish", "replace file",  # DCP's two .metadata files
-                           "_write_durably", "_fsync_dir", "_remove_durably", "_fsync_dir"], crash.calls  # marker, WRITING
+                           "_write_durably", "fsync_directory", "_remove_durably", "fsync_directory"], crash.calls  # marker, WRITING
     step = root / "step-2"
     assert json.loads((step / COMPLETE_MARKER).read_text())["mode"] == "in_place"
     assert not (step / WRITING_MARKER).exists() and (step / "accelerator" / "optimizer_0" / ".metadata").is_file()

@@ -87,7 +87,7 @@ def publish(staging: Path, opened: Staging) -> str:
     os.replace(staging, final)
     _write_durably(final / COMPLETE_MARKER, _marker(opened))
     _remove_durably(final / WRITING_MARKER)
-    _fsync_dir(final.parent)
+    fsync_directory(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     return "published"
@@ -115,7 +115,7 @@ def _write_durably(path: Path, data: dict) -> None:
         json.dump(data, f)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path.parent)
+    fsync_directory(path.parent)
 
 
 def _remove_entry(entry: Path) -> None:
@@ -124,16 +124,16 @@ def _remove_entry(entry: Path) -> None:
 
 def _remove_durably(path: Path) -> None:
     path.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+    fsync_directory(path.parent)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_directory(path: Path) -> None:
+    """Make a directory's entries durable (the selftest checks that the file system allows it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
 
 
 def is_complete(path: Path) -> bool:

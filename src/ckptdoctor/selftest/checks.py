@@ -70,12 +70,10 @@ def directory(root: Path, rank: int) -> Check:
 
 def directory_fsync(root: Path) -> Check:
     """Every rank: fsync a directory (the publish protocol fsyncs the step and its parent)."""
+    from ..fix.publish import fsync_directory
+
     def work():
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_directory(root)
         return True, "fsync of a directory works", {}
     return timed("directory fsync", work)
 
