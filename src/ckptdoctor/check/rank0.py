@@ -464,10 +464,16 @@ def main(argv=None) -> int:
         out = {"ranks_checked": verify_derivation(job["save"], specs, job["ranks"], layout, job["sample_ranks"])}
     else:
         raise ValueError(f"unknown job kind {job['kind']!r}")
+    return print_job_result(out)
+
+
+def print_job_result(out: dict) -> int:
+    """A job's answer to its driver: one JSON line, with the torch that measured it."""
+    import json
+
     import torch
 
-    out["torch"] = torch.__version__.split("+")[0]
-    print(json.dumps(out))
+    print(json.dumps(out | {"torch": torch.__version__.split("+")[0]}))
     return 0
 
 

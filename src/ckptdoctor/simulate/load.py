@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from ..check.layout import Layout
-from ..check.rank0 import _rss_bytes, init_fake_world
+from ..check.rank0 import _rss_bytes, init_fake_world, print_job_result
 from ..check.state_dicts import build_state_dict, mova_specs
 
 
@@ -236,11 +236,7 @@ def main(argv=None) -> int:
         out = {"plans": simulated_read_plans(job["save"], specs, job["ranks"], layout)}
     else:
         raise ValueError(f"unknown job kind {job['kind']!r}")
-    import torch
-
-    out["torch"] = torch.__version__.split("+")[0]
-    print(json.dumps(out))
-    return 0
+    return print_job_result(out)
 
 
 if __name__ == "__main__":
