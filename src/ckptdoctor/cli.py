@@ -141,9 +141,9 @@ def cmd_check(args) -> int:
     result = check_saves(args.ranks, Layout.parse(args.layout), args.deadline, args.warn_fraction, mode=args.mode,
                          checkpoint=args.from_checkpoint, torch_version=args.torch,
                          progress=lambda line: print(line, flush=True))
+    print(format_table(result["records"]))
     for line in result["notes"]:
         print(f"note: {line}")
-    print(format_table(result["records"]))
     for line in result["warnings"]:
         print(f"WARNING: {line}")
     if not result["warnings"]:
