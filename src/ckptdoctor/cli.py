@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                             ".venv/<stack>/bin/ckptdoctor)")
     check.add_argument("--deadline", type=float, default=1800.0, help="the save's gloo deadline in s (default 1800)")
     check.add_argument("--warn-fraction", type=float, default=0.5, help="warn at this fraction (default 0.5)")
-    check.add_argument("--json", metavar="PATH")
+    check.add_argument("--json", metavar="PATH", help="write the records, notes and warnings here")
     check.set_defaults(func=cmd_check)
 
     integ = sub.add_parser(
