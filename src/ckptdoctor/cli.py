@@ -110,13 +110,15 @@ def cmd_simulate(args) -> int:
 
 
 def _simulate_load(args, layouts, stacks) -> int:
-    from .simulate.load_scaling import LoadOptions, build_records, format_table, measure_all
+    from .check.load_cost_model import LoadOptions, build_records, format_table, measure_all
+    from .simulate.scaling import stack_python
 
     opts = LoadOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks)
     print(f"simulating MOVA ({args.mode}) loads at N={','.join(map(str, opts.ranks))}, layouts "
           f"{','.join(map(str, layouts))}, stacks {','.join(stacks)} (stock .metadata materialised up to "
           f"{opts.stock_chunk_budget:,} chunks)", flush=True)
-    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True)))
+    records = build_records(opts, measure_all(opts, progress=lambda line: print(line, flush=True),
+                                              python_for=stack_python))
     print(format_table(records))
     _write_json(args.json, records)
     return 0
@@ -139,9 +141,13 @@ def cmd_check(args) -> int:
     if not 0 < args.warn_fraction <= 1:
         raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {args.warn_fraction}")
     result = check_saves(args.ranks, Layout.parse(args.layout), args.deadline, args.warn_fraction, mode=args.mode,
-                         checkpoint=args.from_checkpoint, torch_version=args.torch,
+                         checkpoint=args.from_checkpoint, torch_version=args.torch, load=args.load,
                          progress=lambda line: print(line, flush=True))
     print(format_table(result["records"]))
+    if result["load_records"]:
+        from .check.load_cost_model import format_table as format_loads
+
+        print(format_loads(result["load_records"]))
     for line in result["notes"]:
         print(f"note: {line}")
     for line in result["warnings"]:
@@ -258,7 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "at small N and fitted beyond) with the torch installed here, for MOVA's saves or an existing "
                     "checkpoint's, and warns when a stock save would plan for a given fraction of the deadline. "
                     "Takes a few minutes.",
-        epilog="exit status: 0 no warning; 3 a stock save reaches --warn-fraction of the deadline; 2 bad input")
+        epilog="exit status: 0 no warning; 3 a stock save (or, with --load, a stock resume) reaches --warn-fraction of "
+               "the deadline; 2 bad input")
     check.add_argument("--ranks", type=int, required=True, help="world size N")
     check.add_argument("--layout", default="fsdp", help="fsdp or hsdp:S (default fsdp)")
     check.add_argument("--mode", choices=("sft", "lora"), default="sft", help="MOVA's training mode (default sft)")
@@ -266,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="predict the saves of this DCP checkpoint instead of MOVA's: DIR holds a .metadata, or "
                             "its subdirectories do (an Accelerate save_state directory). A tensor the checkpoint "
                             "holds in several chunks is taken as FSDP-sharded, one in a single chunk as replicated")
+    check.add_argument("--load", action="store_true",
+                       help="also predict the resume (load_state) at N: every rank's .metadata read and memory, "
+                            "rank 0's load-plan exchange, stock and the fix (measured at N, and at N = 8 and 64 for "
+                            "the fit of stock's .metadata past 2 million chunks)")
     check.add_argument("--torch", default=None,
                        help="the job's torch version, checked against the one installed here (check measures the "
                             "torch installed with its interpreter: run it in the job's image; in a checkout, "

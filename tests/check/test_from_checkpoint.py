@@ -97,3 +97,27 @@ def test_check_from_a_bad_checkpoint_is_one_clear_line(tmp_path, make, message):
 def test_reading_a_checkpoint_does_not_pass_errors_silently(tmp_path):
     with pytest.raises(CkptDoctorError, match="cannot read"):
         read_checkpoint_entries(corrupt(tmp_path / "ckpt"))
+
+
+def test_check_load_predicts_the_resume_of_a_checkpoint_at_n_ranks(tmp_path):
+    """`check --load --from-checkpoint`, through the CLI: the resume at 8 ranks of a checkpoint 4
+    ranks wrote lists the chunks an 8-rank save of its entries writes, for stock and for the fix."""
+    import json
+
+    specs = mova_specs(SHAPE, "sft")
+    try:
+        write_stock_metadata(tmp_path / "ckpt" / "optimizer_0", "optimizer", specs, 4, Layout.parse("fsdp"))
+        entries, _ = read_checkpoint_entries(tmp_path / "ckpt" / "optimizer_0")
+        at_8 = write_stock_metadata(tmp_path / "at8", "optimizer", entries, 8, Layout.parse("fsdp"))
+    finally:
+        leave_fake_world()
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", "--ranks", "8", "--load",
+                           "--from-checkpoint", "ckpt", "--json", "check.json"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "check.json").read_text())
+    (load,) = result["load_records"]
+    chunks = sum(len(md.chunks) for md in at_8.state_dict_metadata.values() if hasattr(md, "chunks"))
+    assert (load["save"], load["ranks"], load["chunks"]) == ("optimizer_0", 8, chunks)
+    assert load["basis"]["stock metadata"] == "measured" and load["stock"]["metadata_bytes"] > 0
+    assert load["ours"]["index_bytes"] > 0 and "rank0 xchg" in proc.stdout

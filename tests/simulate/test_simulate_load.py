@@ -2,13 +2,14 @@
 lists (the basis of every extrapolated figure), and ours' index costs a rank what its loads need."""
 
 import dataclasses
+import sys
 
 import pytest
 
+from ckptdoctor.check.layout import Layout
+from ckptdoctor.check.load_cost_model import LoadOptions, build_records, measure_cell, on_the_chunk_line
 from ckptdoctor.check.mova_model import MovaShape
 from ckptdoctor.repro.stacks import current_stack
-from ckptdoctor.simulate.load_scaling import LoadOptions, build_records, measure_cell, on_the_chunk_line
-from ckptdoctor.check.layout import Layout
 
 SHAPE = MovaShape.real().with_layers(4)  # real widths: a tensor has a chunk on every one of N ranks
 
@@ -17,7 +18,7 @@ SHAPE = MovaShape.real().with_layers(4)  # real widths: a tensor has a chunk on 
 def cells(tmp_path_factory):
     opts = LoadOptions(ranks=[8, 16, 32], layouts=[Layout.parse("fsdp")], shape=SHAPE, saves=("optimizer",),
                        stacks=[current_stack().name])
-    return opts, {n: measure_cell(opts, current_stack().name, Layout.parse("fsdp"), "optimizer", n,
+    return opts, {n: measure_cell(opts, sys.executable, Layout.parse("fsdp"), "optimizer", n,
                                   tmp_path_factory.mktemp(f"load{n}")) for n in (8, 16, 32)}
 
 

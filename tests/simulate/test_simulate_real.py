@@ -19,7 +19,7 @@ from ckptdoctor.repro.reproduce import MODEL_SAVE, OPTIMIZER_SAVE, ReproOptions,
 
 pytestmark = pytest.mark.slow
 SAVES = {MODEL_SAVE: "model", OPTIMIZER_SAVE: "optimizer"}
-JOB_MODULES = {"save": "ckptdoctor.check.rank0", "load": "ckptdoctor.simulate.load"}
+JOB_MODULES = {"save": "ckptdoctor.check.rank0", "load": "ckptdoctor.check.load_ranks"}
 
 
 def simulated(opts: ReproOptions, save: str, op: str = "save") -> list[list]:

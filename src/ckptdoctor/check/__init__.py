@@ -6,5 +6,6 @@ save at N ranks, stock and fixed, on torch's own planner code (product: no lab n
 * ``mova_model``: MOVA's parameter structure (also the lab's training model);
 * ``rank0``: one measurement of rank 0's phases, in one process, under torch's fake process group;
 * ``cost_model``: the measurements at small N and the fits beyond;
+* ``load_ranks``, ``load_cost_model``: the same for a resume (``check --load``);
 * ``preflight``: the check itself, its warnings.
 """

@@ -1,6 +1,7 @@
-"""`ckptdoctor simulate --op load`: a resume at N ranks, per rank and for rank 0, stock vs the fix.
+"""A resume at N ranks, per rank and for rank 0, stock vs the fix: `check --load` (and the lab's
+`simulate --op load`, which runs it in each pinned stack).
 
-Drives load.py inside each stack's interpreter, one job per measurement (a fresh process, so that
+Drives load_ranks.py in an interpreter whose torch it measures, one job per measurement (a fresh process, so that
 the memory a metadata read leaves is that read's). What is measured at every N:
 
 * ours: the index file (written at every N; its rows are 20 bytes per chunk), every rank's read
@@ -26,10 +27,9 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CkptDoctorError
-from ..check.cost_model import _extrapolate_linear, _fmt_b, _fmt_s
-from ..check.layout import Layout
-from ..check.mova_model import MovaShape
-from .scaling import stack_python
+from .cost_model import HERE, _extrapolate_linear, _fmt_b, _fmt_s, here_only
+from .layout import Layout
+from .mova_model import MovaShape
 
 RANKS_PER_NODE = 8
 STOCK_CHUNK_BUDGET = 2_000_000        # stock-written .metadata materialised up to this many chunks
@@ -41,47 +41,49 @@ class LoadOptions:
     ranks: list[int]
     layouts: list[Layout]
     mode: str = "sft"
-    stacks: list[str] = dataclasses.field(default_factory=lambda: ["user", "newest"])
+    stacks: list[str] = dataclasses.field(default_factory=lambda: [HERE])
     saves: tuple[str, ...] = ("model", "optimizer")
     shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
+    checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)  # save name -> a DCP checkpoint's directory
     stock_chunk_budget: int = STOCK_CHUNK_BUDGET
     ours_metadata_chunk_budget: int = OURS_METADATA_CHUNK_BUDGET
 
 
-def run_load_job(stack: str, job: dict) -> dict:
-    proc = subprocess.run([stack_python(stack), "-m", "ckptdoctor.simulate.load", json.dumps(job)],
+def run_load_job(python: str, job: dict) -> dict:
+    proc = subprocess.run([python, "-m", "ckptdoctor.check.load_ranks", json.dumps(job)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
-        raise CkptDoctorError(f"load simulation job failed on the {stack} stack: {proc.stderr.strip().splitlines()[-1:]}")
+        raise CkptDoctorError(f"load simulation job failed in {python}: {proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def measure_cell(opts: LoadOptions, stack: str, layout: Layout, save: str, n: int, scratch: Path) -> dict:
-    """Every measurement of one (stack, layout, save, N)."""
-    base = {"shape": dataclasses.asdict(opts.shape), "mode": opts.mode, "layout": str(layout), "save": save,
-            "ranks": n}
+def measure_cell(opts: LoadOptions, python: str, layout: Layout, save: str, n: int, scratch: Path) -> dict:
+    """Every measurement of one (interpreter, layout, save, N)."""
+    source = {"checkpoint": opts.checkpoints[save]} if save in opts.checkpoints else \
+        {"shape": dataclasses.asdict(opts.shape), "mode": opts.mode}
+    base = source | {"layout": str(layout), "save": save, "ranks": n}
     ours_dir, stock_dir = scratch / "ours", scratch / "stock"
     try:
-        plan = run_load_job(stack, base | {"kind": "load-plan"})
-        index = run_load_job(stack, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": False})
-        ours_read = run_load_job(stack, base | {"kind": "load-read", "dir": str(ours_dir), "reader": "ours"})
+        plan = run_load_job(python, base | {"kind": "load-plan"})
+        index = run_load_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": False})
+        ours_read = run_load_job(python, base | {"kind": "load-read", "dir": str(ours_dir), "reader": "ours"})
         chunks = ours_read["chunks_listed"]
         cell = {"chunks": chunks, "plan": plan, "index_bytes": index["index_bytes"], "ours_read": ours_read}
         if chunks <= opts.ours_metadata_chunk_budget:
             shutil.rmtree(ours_dir)
-            ours = run_load_job(stack, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": True})
-            cell["ours_metadata"] = ours | run_load_job(stack, base | {"kind": "load-read", "dir": str(ours_dir),
+            ours = run_load_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": True})
+            cell["ours_metadata"] = ours | run_load_job(python, base | {"kind": "load-read", "dir": str(ours_dir),
                                                                         "reader": "stock"})
         if chunks <= opts.stock_chunk_budget:
-            stock = run_load_job(stack, base | {"kind": "load-write-stock", "dir": str(stock_dir)})
-            cell["stock_metadata"] = stock | run_load_job(stack, base | {"kind": "load-read", "dir": str(stock_dir),
+            stock = run_load_job(python, base | {"kind": "load-write-stock", "dir": str(stock_dir)})
+            cell["stock_metadata"] = stock | run_load_job(python, base | {"kind": "load-read", "dir": str(stock_dir),
                                                                           "reader": "stock"})
         return cell
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def measure_all(opts: LoadOptions, progress=print) -> dict:
+def measure_all(opts: LoadOptions, progress=print, python_for=here_only) -> dict:
     cells = {}
     for stack in opts.stacks:
         for layout in opts.layouts:
@@ -90,7 +92,7 @@ def measure_all(opts: LoadOptions, progress=print) -> dict:
                     if layout.kind == "hsdp" and n % layout.shard:
                         continue
                     scratch = Path(tempfile.mkdtemp(prefix="ckptdoctor-load-"))
-                    cells[stack, str(layout), save, n] = measure_cell(opts, stack, layout, save, n, scratch)
+                    cells[stack, str(layout), save, n] = measure_cell(opts, python_for(stack), layout, save, n, scratch)
                     progress(f"  {stack} {layout} {save} load at N={n}: {cells[stack, str(layout), save, n]['chunks']:,}"
                              f" chunks listed")
     return cells

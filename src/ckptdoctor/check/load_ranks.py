@@ -34,9 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..check.layout import Layout
-from ..check.rank0 import _rss_bytes, init_fake_world, print_job_result
-from ..check.state_dicts import build_state_dict, mova_specs
+from .layout import Layout
+from .rank0 import _rss_bytes, init_fake_world, job_specs, print_job_result
+from .state_dicts import build_state_dict
 
 
 def derived_metadata(save: str, specs, ranks: int, layout: Layout, rank: int = 0):
@@ -215,14 +215,12 @@ def _exchange(payload: bytes, ranks: int, max_materialised: int = 256) -> dict:
 
 
 def main(argv=None) -> int:
-    """Measurement entry point for load_scaling.py: one JSON job in argv, JSON out."""
+    """Measurement entry point for load_cost_model.py: one JSON job in argv, JSON out."""
     import warnings
 
     warnings.filterwarnings("ignore")
     job = json.loads((argv or sys.argv[1:])[0])
-    from ..check.mova_model import MovaShape
-
-    specs = mova_specs(MovaShape(**job["shape"]), job["mode"])
+    specs = job_specs(job)
     layout = Layout.parse(job["layout"])
     if job["kind"] == "load-write-stock":
         out = write_stock(job["save"], specs, job["ranks"], layout, Path(job["dir"]))

@@ -15,10 +15,14 @@ EXTRAPOLATED = ("stock figures past N = 16 are extrapolated; at N = 256 they rea
                 "measurement (docs/evidence/extrapolation_n256_user.txt): read them as lower bounds")
 
 
+LOAD_ANCHORS = (8, 64)  # a resume is also measured here, for the fit of stock's .metadata past its budget
+
+
 def check_saves(ranks: int, layout: Layout, deadline_s: float, warn_fraction: float, *, mode: str = "sft",
-                checkpoint: str | None = None, torch_version: str | None = None, progress=print) -> dict:
+                checkpoint: str | None = None, torch_version: str | None = None, load: bool = False,
+                progress=print) -> dict:
     """MOVA's model and optimizer saves (`mode`), or each DCP checkpoint under `checkpoint`,
-    saved again at `ranks` ranks under `layout`."""
+    saved again at `ranks` ranks under `layout`; with `load`, their resume at `ranks` too."""
     from ..fix.compat import installed_versions
 
     layout.check(ranks)
@@ -37,9 +41,29 @@ def check_saves(ranks: int, layout: Layout, deadline_s: float, warn_fraction: fl
                 f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
                 f"use ckptdoctor's ScalableSavePlanner (docs/fix-for-mova.md): about {_fmt_s(ours[r['save']])}"
                 for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
+    load_records = _predict_loads(ranks, layout, opts, progress) if load else []
+    warnings += [f"resume of the {r['save']} save: rank 0 reads the .metadata and exchanges load plans for about "
+                 f"{_fmt_s(_stock_load_s(r))} ({_stock_load_s(r) / deadline_s:.0%} of the {_fmt_s(deadline_s)} "
+                 f"deadline) with stock load_state; ScalableCheckpointing.load_state: about "
+                 f"{_fmt_s(r['ours']['read_s'] + r['ours']['rank0_exchange_s'])}"
+                 for r in load_records if _stock_load_s(r) >= warn_fraction * deadline_s]
     return {"ranks": ranks, "layout": str(layout), "mode": "checkpoint" if checkpoint else mode,
             "checkpoint": checkpoint, "torch": installed, "deadline_s": deadline_s, "warn_fraction": warn_fraction,
-            "records": records, "warnings": warnings, "notes": notes}
+            "records": records, "load_records": load_records, "warnings": warnings, "notes": notes}
+
+
+def _predict_loads(ranks: int, layout: Layout, saves: ScalingOptions, progress) -> list[dict]:
+    """The resume at `ranks` (load_cost_model.py), beside smaller N for the chunk-line fit."""
+    from .load_cost_model import LoadOptions, build_records as load_records, measure_all as measure_loads
+
+    ns = sorted({n for n in (*LOAD_ANCHORS, ranks) if n <= ranks and (layout.kind == "fsdp" or n % layout.shard == 0)})
+    opts = LoadOptions(ranks=ns, layouts=[layout], mode=saves.mode, saves=saves.saves, checkpoints=saves.checkpoints)
+    return [r for r in load_records(opts, measure_loads(opts, progress=progress)) if r["ranks"] == ranks]
+
+
+def _stock_load_s(record: dict) -> float:
+    """Rank 0's part of a stock resume the peers wait for: its .metadata read and the plan exchange."""
+    return record["stock"]["read_s"] + record["stock"]["rank0_exchange_s"]
 
 
 def _read_checkpoints(directory: str) -> tuple[dict[str, str], list[str]]:

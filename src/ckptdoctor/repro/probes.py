@@ -127,7 +127,7 @@ class SaveProbe(logging.Handler):
         """The read plan every rank executes, at FileSystemReader.read_data (stock's reader and ours)."""
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ..simulate.load import read_plan_signature
+        from ..check.load_ranks import read_plan_signature
 
         original = self._originals[(FileSystemReader, "read_data")] = FileSystemReader.read_data
         probe = self
