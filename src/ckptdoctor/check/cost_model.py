@@ -41,15 +41,27 @@ HERE = "here"  # this interpreter and the torch installed with it (an installed 
 
 
 @dataclasses.dataclass
-class ScalingOptions:
+class Workload:
+    """The saves to measure (MOVA's in `mode`, or existing checkpoints'), where and at which N."""
+
     ranks: list[int]
     layouts: list[Layout]
     mode: str = "sft"
     stacks: list[str] = dataclasses.field(default_factory=lambda: [HERE])
     saves: tuple[str, ...] = ("model", "optimizer")
-    planners: tuple[str, ...] = ("stock", "ours")
     shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
     checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)  # save name -> a DCP checkpoint's directory
+
+    def source(self, save: str) -> dict:
+        """What a job needs to build `save`'s state dicts (rank0.job_specs reads it)."""
+        if save in self.checkpoints:
+            return {"checkpoint": self.checkpoints[save]}
+        return {"shape": dataclasses.asdict(self.shape), "mode": self.mode}
+
+
+@dataclasses.dataclass
+class ScalingOptions(Workload):
+    planners: tuple[str, ...] = ("stock", "ours")
     max_measured: int = 16
     max_validated: int = 2816  # torch's validation sampled at every N up to here (chunk counts step with N)
     parallel: int = 2
@@ -72,16 +84,13 @@ def run_job(python: str, job: dict) -> dict:
 
 def _jobs(opts: ScalingOptions):
     """(key, stack, job) for every measurement the requested records need."""
-    shape = dataclasses.asdict(opts.shape)
     measured = sorted({n for n in opts.ranks if n <= opts.max_measured} | {8, opts.max_measured})
     validated = sorted({n for n in opts.ranks if n <= opts.max_validated}
                        | {n for n in (256, 512, opts.max_validated) if n <= opts.max_validated})
     for stack in opts.stacks:
         for layout in opts.layouts:
             for save in opts.saves:
-                source = {"checkpoint": opts.checkpoints[save]} if save in opts.checkpoints else \
-                    {"shape": shape, "mode": opts.mode}
-                base = source | {"layout": str(layout), "save": save}
+                base = opts.source(save) | {"layout": str(layout), "save": save}
                 for planner in opts.planners:
                     for n in measured:
                         if layout.kind == "fsdp" or n % layout.shard == 0:

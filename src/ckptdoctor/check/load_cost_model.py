@@ -27,9 +27,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import CkptDoctorError
-from .cost_model import HERE, _extrapolate_linear, _fmt_b, _fmt_s, here_only
+from .cost_model import Workload, _extrapolate_linear, _fmt_b, _fmt_s, here_only
 from .layout import Layout
-from .mova_model import MovaShape
 
 RANKS_PER_NODE = 8
 STOCK_CHUNK_BUDGET = 2_000_000        # stock-written .metadata materialised up to this many chunks
@@ -37,14 +36,7 @@ OURS_METADATA_CHUNK_BUDGET = 5_000_000  # ours-written .metadata (stock-readable
 
 
 @dataclasses.dataclass
-class LoadOptions:
-    ranks: list[int]
-    layouts: list[Layout]
-    mode: str = "sft"
-    stacks: list[str] = dataclasses.field(default_factory=lambda: [HERE])
-    saves: tuple[str, ...] = ("model", "optimizer")
-    shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
-    checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)  # save name -> a DCP checkpoint's directory
+class LoadOptions(Workload):
     stock_chunk_budget: int = STOCK_CHUNK_BUDGET
     ours_metadata_chunk_budget: int = OURS_METADATA_CHUNK_BUDGET
 
@@ -59,9 +51,7 @@ def run_load_job(python: str, job: dict) -> dict:
 
 def measure_cell(opts: LoadOptions, python: str, layout: Layout, save: str, n: int, scratch: Path) -> dict:
     """Every measurement of one (interpreter, layout, save, N)."""
-    source = {"checkpoint": opts.checkpoints[save]} if save in opts.checkpoints else \
-        {"shape": dataclasses.asdict(opts.shape), "mode": opts.mode}
-    base = source | {"layout": str(layout), "save": save, "ranks": n}
+    base = opts.source(save) | {"layout": str(layout), "save": save, "ranks": n}
     ours_dir, stock_dir = scratch / "ours", scratch / "stock"
     try:
         plan = run_load_job(python, base | {"kind": "load-plan"})
