@@ -136,13 +136,13 @@ def cmd_diagnose(args) -> int:
 def cmd_check(args) -> int:
     from .check.cost_model import format_table
     from .check.layout import Layout
-    from .check.preflight import check_saves
+    from .check.preflight import run_check
 
     if not 0 < args.warn_fraction <= 1:
         raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {args.warn_fraction}")
-    result = check_saves(args.ranks, Layout.parse(args.layout), args.deadline, args.warn_fraction, mode=args.mode,
-                         checkpoint=args.from_checkpoint, torch_version=args.torch, load=args.load,
-                         progress=lambda line: print(line, flush=True))
+    result = run_check(args.ranks, Layout.parse(args.layout), args.deadline, args.warn_fraction, mode=args.mode,
+                       checkpoint=args.from_checkpoint, torch_version=args.torch, load=args.load,
+                       progress=lambda line: print(line, flush=True))
     print(format_table(result["records"]))
     if result["load_records"]:
         from .check.load_cost_model import format_table as format_loads

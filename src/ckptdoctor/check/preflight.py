@@ -1,6 +1,7 @@
 """The check a user runs before a launch: predict rank 0's planning for each save at N ranks
-(stock and ScalableSavePlanner) with the torch installed here, and warn when a stock save
-would use a given fraction of the deadline."""
+(stock and ScalableSavePlanner) and, asked, the resume (stock load_state and the fix's), with
+the torch installed here; warn when a stock save or resume would use a given fraction of the
+deadline."""
 
 from __future__ import annotations
 
@@ -13,14 +14,12 @@ from .layout import Layout
 # measurement at N = 256, so an extrapolated stock figure is a lower bound.
 EXTRAPOLATED = ("stock figures past N = 16 are extrapolated; at N = 256 they read 0.70-0.87x of a direct "
                 "measurement (docs/evidence/extrapolation_n256_user.txt): read them as lower bounds")
-
-
 LOAD_ANCHORS = (8, 64)  # a resume is also measured here, for the fit of stock's .metadata past its budget
 
 
-def check_saves(ranks: int, layout: Layout, deadline_s: float, warn_fraction: float, *, mode: str = "sft",
-                checkpoint: str | None = None, torch_version: str | None = None, load: bool = False,
-                progress=print) -> dict:
+def run_check(ranks: int, layout: Layout, deadline_s: float, warn_fraction: float, *, mode: str = "sft",
+              checkpoint: str | None = None, torch_version: str | None = None, load: bool = False,
+              progress=print) -> dict:
     """MOVA's model and optimizer saves (`mode`), or each DCP checkpoint under `checkpoint`,
     saved again at `ranks` ranks under `layout`; with `load`, their resume at `ranks` too."""
     from ..fix.compat import installed_versions
