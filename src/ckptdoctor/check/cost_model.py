@@ -74,11 +74,13 @@ def here_only(stack: str) -> str:
     return sys.executable
 
 
-def run_job(python: str, job: dict) -> dict:
-    proc = subprocess.run([python, "-m", "ckptdoctor.check.rank0", json.dumps(job)],
+def run_job(python: str, job: dict, module: str = "ckptdoctor.check.rank0") -> dict:
+    """One measurement job in `python` (a fresh process: its memory is the job's), its JSON answer."""
+    proc = subprocess.run([python, "-m", module, json.dumps(job)],
                           capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
-        raise CkptDoctorError(f"simulation job failed in {python}: {proc.stderr.strip().splitlines()[-1:]}")
+        raise CkptDoctorError(f"simulation job {job.get('kind')} failed in {python}: "
+                              f"{proc.stderr.strip().splitlines()[-1:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -19,15 +19,11 @@ what it holds), and ours-written `.metadata` as a stock reader reads it. Each va
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
-from ..errors import CkptDoctorError
-from .cost_model import Workload, _extrapolate_linear, _fmt_b, _fmt_s, here_only
+from .cost_model import Workload, _extrapolate_linear, _fmt_b, _fmt_s, here_only, run_job
 from .layout import Layout
 
 RANKS_PER_NODE = 8
@@ -42,11 +38,7 @@ class LoadOptions(Workload):
 
 
 def run_load_job(python: str, job: dict) -> dict:
-    proc = subprocess.run([python, "-m", "ckptdoctor.check.load_ranks", json.dumps(job)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise CkptDoctorError(f"load simulation job failed in {python}: {proc.stderr.strip().splitlines()[-1:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_job(python, job, module="ckptdoctor.check.load_ranks")
 
 
 def measure_cell(opts: LoadOptions, python: str, layout: Layout, save: str, n: int, scratch: Path) -> dict:

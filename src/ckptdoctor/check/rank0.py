@@ -1,7 +1,8 @@
 """Rank 0's share of a DCP save at N ranks, on torch's own planner code, in one process.
 
 Every rank's local plan comes from torch's `DefaultSavePlanner` run on a state dict of meta
-DTensors (MOVA's real shapes, or an existing checkpoint's: state_dicts.py), built under torch's fake process group as rank 0 of N.
+DTensors (MOVA's real shapes, or an existing checkpoint's: state_dicts.py), built under
+torch's fake process group as rank 0 of N.
 Running the planner for each of N ranks would take hours, so the other ranks' plans are
 derived from rank 0's: a DTensor item differs between ranks only in its chunk, which
 torch's `_compute_local_shape_and_global_offset` gives for any mesh coordinate (the same
