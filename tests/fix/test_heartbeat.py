@@ -94,3 +94,31 @@ def test_a_rank_that_cannot_fork_keeps_the_thread_and_goes_on(store, monkeypatch
     beat.start()
     assert beat.pid is None and "cannot fork the heartbeat's child" in caplog.text
     beat.stop()
+
+
+def test_the_child_runs_none_of_the_trainers_signal_handlers(store, tmp_path):
+    """A launcher's SIGTERM to the process group reaches the child too. The trainer's handler
+    (here: it writes its pid to a file, as a report or an emergency save would write) must run
+    in the trainer only; the child takes SIGTERM's default action and is gone."""
+    port = store.underlying_store.port
+    script = tmp_path / "trainer.py"
+    ran = tmp_path / "handler-ran-in"
+    script.write_text(
+        "import os, signal, time\nfrom torch.distributed import PrefixStore, TCPStore\n"
+        "from ckptdoctor.fix.heartbeat import ProcessBeat\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: open({str(ran)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"
+        f"store = PrefixStore('ckptdoctor-test', TCPStore('127.0.0.1', {port}, is_master=False))\n"
+        "beat = ProcessBeat(store, 'beat/3', interval_s=0.1)\nbeat.start()\n"
+        "print(beat.pid, flush=True)\ntime.sleep(60)\n")
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(trainer.stdout.readline())
+        assert wait_for(lambda: store.check(["beat/3"]))  # the child is up and posting
+        os.kill(child, signal.SIGTERM)
+        assert wait_for(lambda: process_state(child) in ("Z", None))
+        assert not ran.exists()  # the trainer's handler did not run in the child
+        os.kill(trainer.pid, signal.SIGTERM)
+        assert wait_for(lambda: ran.exists() and ran.read_text() == f"{trainer.pid}\n")  # but does in the trainer
+    finally:
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.wait()

@@ -150,7 +150,12 @@ class ProcessBeat:
     parent process exists and is not stopped (SIGSTOP, a debugger), as /proc says. It needs no
     GIL of the parent's: a rank whose main thread is busy stays alive. It closes every inherited
     descriptor (a dead rank's sockets close at once, as without it), talks to the store over a
-    connection of its own, and leaves when its parent is gone, stopped, or stops it."""
+    connection of its own, and leaves when its parent is gone, stopped, or stops it.
+
+    It runs none of the trainer's signal handlers: a fork inherits them, and a launcher that
+    signals the whole process group (SIGTERM at teardown) would otherwise run the trainer's own
+    SIGTERM code (a report, an emergency save) a second time, in the child, on a stale copy of the
+    trainer. Those signals are blocked across the fork and the child takes their default action."""
 
     def __init__(self, store, key: str, interval_s: float):
         self.store, self.key, self.interval_s = store, key, interval_s
@@ -162,18 +167,24 @@ class ProcessBeat:
         leave the other ranks waiting in it."""
         self.stop()
         parent = os.getpid()
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, CHILD_DEFAULTS)
         try:
             pid = os.fork()
         except OSError as error:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             log.warning("ckptdoctor: cannot fork the heartbeat's child (%s); the thread alone posts", error)
             return
         if pid == 0:  # the child: no logging, no threads, no return into the parent's code
             code = 0
             try:
+                for signum in CHILD_DEFAULTS:
+                    signal.signal(signum, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
                 self._post_while_running(parent)
             except BaseException:  # noqa: BLE001 - the thread still posts; never raise in a fork
                 code = 1
             os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self.pid = pid
 
     def stop(self) -> None:
@@ -199,6 +210,7 @@ class ProcessBeat:
 
 
 STOPPED_OR_GONE = {"T", "t", "Z", "X", None}
+CHILD_DEFAULTS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2}
 
 
 def process_state(pid: int) -> str | None:
