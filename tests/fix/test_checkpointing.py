@@ -490,3 +490,110 @@ def test_the_next_successful_commit_removes_earlier_saves_leftovers_and_nothing_
     assert publish_and_tidy(opened.staging(), opened) == "published"
     assert not dead_staging.exists() and not redundant.exists()
     assert kept_replaced.exists() and later_staging.exists() and is_complete(tmp_path / "step-200")
+
+
+# -- level 1 (install): the trainer's own step directories -----------------------------------------
+
+def level1_step(root, step, token, complete=True):
+    """`<root>/step-N/` as MOVA leaves it at level 1: its own files, then install's published
+    `accelerator` (complete) or a dead save's staging beside an empty `accelerator` (not)."""
+    directory = root / f"step-{step}"
+    directory.mkdir(parents=True)
+    (directory / "trainer_state.pt").write_bytes(b"state")
+    opened = Staging(directory / "accelerator", token)
+    dcp_dir(opened.staging() / "optimizer_0", metadata=complete)
+    opened.checkpoints.append("optimizer_0")
+    if complete:
+        assert publish(opened.staging(), opened) == "published"
+    else:
+        (directory / "accelerator").mkdir()  # MOVA makes it before calling save_state
+    return directory
+
+
+def test_at_startup_a_step_a_save_died_in_is_set_aside_and_the_trainers_scan_finds_the_newest_complete(tmp_path):
+    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+
+    good = level1_step(tmp_path, 4, new_token())
+    dead = level1_step(tmp_path, 8, new_token(), complete=False)  # died in save_state: trainer_state.pt is there
+    (tmp_path / "step-12" / "video_dit").mkdir(parents=True)  # died before trainer_state.pt (MOVA's own weights)
+    stock = tmp_path / "step-2" / "accelerator"  # a whole stock save (before the fix): a checkpoint
+    for name in ("pytorch_model_fsdp_0", "optimizer_0"):
+        dcp_dir(stock / name)
+    (stock / "random_states_0.pkl").write_bytes(b"r")
+    (tmp_path / "logs-2026").mkdir()  # not named like the steps, no trace of a save: not the trainer's
+    (tmp_path / "final").mkdir()
+    assert set_aside_dead_steps(tmp_path) == 2
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in names if n.startswith("step-") and INCOMPLETE not in n] == ["step-2", "step-4"]
+    assert {n.split(INCOMPLETE)[0] for n in names if INCOMPLETE in n} == {"step-8", "step-12"}
+    assert "logs-2026" in names and "final" in names and good.exists() and not dead.exists()
+    moved = next(tmp_path.glob(f"step-8{INCOMPLETE}*"))
+    assert (moved / "trainer_state.pt").read_bytes() == b"state"  # set aside, nothing deleted
+    # MOVA's own scan (accelerate_trainer.py:111-135): the newest `step-N` directory
+    steps = [int(m[1]) for p in tmp_path.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name)) and p.is_dir()]
+    assert max(steps) == 4
+    assert set_aside_dead_steps(tmp_path) == 0  # a second start finds nothing more
+
+
+def test_a_first_save_that_died_with_no_step_complete_yet_is_set_aside_by_its_traces_alone(tmp_path):
+    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+
+    level1_step(tmp_path, 4, new_token(), complete=False)
+    (tmp_path / "run-7").mkdir()  # someone else's directory: no checkpoint, no trace
+    assert set_aside_dead_steps(tmp_path) == 1
+    assert sorted(p.name.split(INCOMPLETE)[0] for p in tmp_path.iterdir()) == ["run-7", "step-4"]
+    assert not (tmp_path / "step-4").exists()
+
+
+def test_the_next_save_removes_level1_leftovers_in_the_save_root_and_inside_its_steps(tmp_path):
+    """Level 1 publishes `step-N/accelerator`: a dead save's staging sits inside its step, and a
+    step set aside sits in the save root; both are beside no directory the next save publishes."""
+    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+
+    level1_step(tmp_path, 4, new_token())
+    stale = level1_step(tmp_path, 8, new_token(), complete=False)
+    set_aside_dead_steps(tmp_path)
+    inner = level1_step(tmp_path, 12, new_token())
+    dead_inner = inner / f"accelerator{INCOMPLETE}{new_token()}"  # an earlier attempt at step-12, died
+    dcp_dir(dead_inner / "optimizer_0")
+    (tmp_path / "step-16").mkdir()
+    opened = Staging(tmp_path / "step-16" / "accelerator", new_token())
+    later = tmp_path / "step-20" / f"accelerator{INCOMPLETE}{new_token()}"  # started after ours: may be live
+    later.mkdir(parents=True)
+    dcp_dir(opened.staging() / "optimizer_0")
+    opened.checkpoints.append("optimizer_0")
+    assert publish_and_tidy(opened.staging(), opened) == "published"
+    leftovers = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if INCOMPLETE in p.name)
+    assert leftovers == [str(later.relative_to(tmp_path))]
+    assert not stale.exists() and is_complete(inner / "accelerator") and is_complete(tmp_path / "step-16" / "accelerator")
+
+
+@pytest.mark.slow
+def test_both_integrations_on_one_accelerator_are_refused_in_one_line_in_either_order(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "double")
+    assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}, reports
+    assert {r["install_then_patch"] for r in reports.values()} == {
+        "CkptDoctorError: ckptdoctor: this Accelerator already saves through ckptdoctor.install (level 1, one call "
+        "after prepare); refusing to add ScalableCheckpointing (level 2, the full patch or a trainer's own calls) as "
+        "well: keep one of the two"}
+    assert {r["patch_then_install"] for r in reports.values()} == {
+        "CkptDoctorError: ckptdoctor: this Accelerator already saves through ScalableCheckpointing (level 2, the full "
+        "patch or a trainer's own calls); refusing to add ckptdoctor.install (level 1, one call after prepare) as "
+        "well: keep one of the two"}
+    step = out / "ckpt" / "step-1" / "accelerator"
+    assert {r["still_saves"] for r in reports.values()} == {str(step)} and is_complete(step)
+    log = (out / "job.log").read_text()
+    for rank in range(4):  # every rank names its integration at startup
+        assert f"ckptdoctor: rank {rank} of 4 saves through ckptdoctor.install (level 1" in log
+        assert f"ckptdoctor: rank {rank} of 4 saves through ScalableCheckpointing (level 2" in log
+
+
+@pytest.mark.slow
+def test_a_rank_whose_settings_differ_stops_every_rank_at_construction_naming_it(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "settings", target=2)
+    assert result.returncodes == [0] * 4 and len(reports) == 4, reports
+    assert {r["construction"] for r in reports.values()} == {
+        "CheckpointAborted: checkpoint aborted at 'agree on the settings': rank(s) 2: settings differ from rank 0's: "
+        "publish='in_place' (rank 0: 'rename') (set the same CKPTDOCTOR_* variables and keywords on every node); "
+        "nothing was written"}
+    assert all(r["written"] == [] for r in reports.values())

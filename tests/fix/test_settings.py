@@ -54,3 +54,14 @@ def test_the_log_level_applies_to_every_ckptdoctor_logger():
         assert logging.getLogger("ckptdoctor.checkpointing").getEffectiveLevel() == logging.INFO
     finally:
         logger.setLevel(before)
+
+
+def test_the_save_root_is_an_absolute_path_and_every_knob_but_the_log_level_must_match_rank_0s(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    settings = Settings.resolve(environ={"CKPTDOCTOR_SAVE_ROOT": "checkpoints", "CKPTDOCTOR_LOG_LEVEL": "debug"})
+    assert settings.save_root == str(tmp_path / "checkpoints") and "save root " + str(tmp_path) in settings.describe()
+    rank0 = Settings.resolve(environ={"CKPTDOCTOR_SAVE_ROOT": str(tmp_path / "checkpoints")}).values()
+    assert settings.differences(rank0) == []  # the same root, and a log level of its own
+    other = Settings.resolve(environ={"CKPTDOCTOR_PUBLISH": "in_place", "CKPTDOCTOR_LOST_RANK_S": "60"})
+    assert other.differences(rank0) == ["lost_rank_s=60.0 (rank 0: 300.0)", "publish='in_place' (rank 0: 'rename')",
+                                        f"save_root=None (rank 0: {str(tmp_path / 'checkpoints')!r})"]

@@ -8,6 +8,8 @@ states), so ScalableCheckpointing is exercised on real gloo ranks without an FSD
 FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     none         one save, published
     installed    ckptdoctor.install(accelerator), then the accelerator's own save_state and load_state
+    double       both integrations on one Accelerator, in each order (install first; ScalableCheckpointing first)
+    settings     rank RANK's environment says CKPTDOCTOR_PUBLISH=in_place, the others' rename
     sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished
     exit         rank RANK exits (os._exit) in its local plan
     gil          rank RANK's main thread holds the GIL for HOLD_GIL_S seconds in its local plan
@@ -146,6 +148,34 @@ def stop_in_planning(rank: int, how: str) -> None:
     DefaultSavePlanner.create_local_plan = create_local_plan
 
 
+def refused(work) -> str:
+    try:
+        work()
+    except Exception as error:  # noqa: BLE001 - the one line is the test's subject
+        return f"{type(error).__name__}: {error}"
+    return "accepted"
+
+
+def construction_only(fault: str, target: int, accelerator, root: Path, report: dict) -> int:
+    """The checks made when the fix is set up, before anything is written."""
+    if fault == "double":
+        install(accelerator)
+        report["install_then_patch"] = refused(lambda: ScalableCheckpointing(accelerator))
+        other = StandInAccelerator()
+        ScalableCheckpointing(other)
+        report["patch_then_install"] = refused(lambda: install(other))
+        report["still_saves"] = str(accelerator.save_state(str(root / "step-1" / "accelerator")))
+    else:
+        if dist.get_rank() == target:
+            os.environ["CKPTDOCTOR_PUBLISH"] = "in_place"  # this node's environment differs
+        report["construction"] = refused(lambda: ScalableCheckpointing(accelerator))
+        report["written"] = sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+    report["status"], report["end_s"] = "ok", time.time()
+    Path(OUT, f"rank{dist.get_rank()}.{os.getpid()}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     global OUT
     OUT, fault = Path(sys.argv[1]), sys.argv[2]
@@ -157,6 +187,8 @@ def main() -> int:
     rank = dist.get_rank()
     report = {"rank": rank, "fault": fault}
     accelerator = StandInAccelerator(bound=fault == "bound")
+    if fault in ("double", "settings"):
+        return construction_only(fault, target, accelerator, root, report)
     # its timeout and lost-rank window: from the test's environment
     ckpt = install(accelerator) if fault == "installed" else ScalableCheckpointing(accelerator)
     report["settings"] = {"timeout_s": ckpt.settings.timeout_s, "lost_rank_s": ckpt.settings.lost_rank_s,

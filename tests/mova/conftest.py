@@ -18,7 +18,9 @@ def extract() -> Extract:
 
 @pytest.fixture(scope="session")
 def mova_copies(extract, tmp_path_factory):
-    """Scratch copies of MOVA's code: {"stock": unpatched, "patched": with patches/mova-feat-npu.patch}."""
+    """Scratch copies of MOVA's code: {"stock": unpatched, "patched": with patches/mova-feat-npu.patch,
+    "minimal": with `ckptdoctor integrate` (level 1)}."""
     root = tmp_path_factory.mktemp("mova-code")
     return {"stock": extract.copy_to(root / "stock", integration=None),
-            "patched": extract.copy_to(root / "patched", integration="full")}
+            "patched": extract.copy_to(root / "patched", integration="full"),
+            "minimal": extract.copy_to(root / "minimal", integration="minimal")}

@@ -48,7 +48,8 @@ def test_the_minimal_integration_lands_right_after_the_prepare(local_copy):
     placed = integrate(trainer)
     body = statements(ast.parse(trainer.read_text()), "_setup")
     prepare = next(i for i, s in enumerate(body) if ".prepare(" in s and s.startswith("self.model"))
-    assert body[prepare + 1:prepare + 3] == ["import ckptdoctor", "ckptdoctor.install(self.accelerator)"]
+    assert body[prepare + 1:prepare + 3] == ["import ckptdoctor",
+                                             "ckptdoctor.install(self.accelerator, save_root=self.save_path)"]
     assert placed.function == "_setup" and placed.accelerator == "self.accelerator"
     assert trainer.read_text().count("ckptdoctor.install(") == 1
 
@@ -94,8 +95,33 @@ def test_the_cli_inserts_once_and_then_says_it_is_there(extract, tmp_path):
     run = lambda *args: subprocess.run([CKPTDOCTOR, "integrate", *args], cwd=copy,  # noqa: E731
                                        capture_output=True, text=True)
     first = run(str(TRAINER))
-    assert first.returncode == 0 and "inserted `ckptdoctor.install(self.accelerator)` at " in first.stdout
+    assert first.returncode == 0 and \
+        "inserted `ckptdoctor.install(self.accelerator, save_root=self.save_path)` at " in first.stdout
+    assert "note:" not in first.stdout  # the save root was read from MOVA's code; no subclass overrides _setup
     again = run(str(TRAINER))
     assert again.returncode == 0 and "ckptdoctor.install is already there; nothing changed" in again.stdout
     missing = run("no/such/file.py")
     assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "No such file" in missing.stderr
+
+
+def test_integrate_refuses_a_trainer_that_already_has_the_full_patch(mova_copies):
+    """The other direction (install, then the patch's ScalableCheckpointing at run time) is
+    refused by the fix itself (tests/fix/test_checkpointing.py, on gloo ranks)."""
+    trainer = mova_copies["patched"] / TRAINER
+    before = trainer.read_bytes()
+    run = subprocess.run([CKPTDOCTOR, "integrate", str(trainer)], capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert "this trainer already makes a ScalableCheckpointing (the full patch)" in run.stderr
+    assert trainer.read_bytes() == before
+
+
+def test_integrate_notes_a_subclass_that_overrides_the_method_it_edits(extract, tmp_path):
+    copy = extract.copy_to(tmp_path / "mova", integration=None)
+    sub = copy / "mova" / "engine" / "trainer" / "accelerate" / "npu_trainer.py"
+    sub.write_text("from .accelerate_trainer import AccelerateTrainer\n\n\n"
+                   "class NpuTrainer(AccelerateTrainer):\n    def _setup(self):\n        pass\n")
+    run = subprocess.run([CKPTDOCTOR, "integrate", str(TRAINER)], cwd=copy, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    notes = [line for line in run.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "npu_trainer.py:4: NpuTrainer subclasses AccelerateTrainer and overrides _setup()" \
+        in notes[0], run.stdout

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptdoctor.fix.publish import COMPLETE_MARKER, INCOMPLETE, find_latest, is_complete, legacy_complete
+from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, counts_as_checkpoint, find_latest, is_complete,
+                                    legacy_complete)
 from ckptdoctor.repro.mova.job import PATCHED_FILES, TRAINER, MovaRun, run_mova
 from ckptdoctor.repro.reproduce import ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
@@ -216,6 +217,31 @@ def test_a_rank_killed_mid_save_publishes_nothing_and_the_resume_repeats_the_uni
     assert "[Resume] Loaded from " + str(save_path / "step-4") + ", step=4" in resumed.log_path.read_text()
     assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
     assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]
+
+
+@pytest.mark.parametrize("mode", ["sft", "lora"])
+def test_level1_after_a_rank_killed_mid_save_a_restart_resumes_the_newest_complete_step_bit_exactly(
+        mode, mova_copies, straight, tmp_path):
+    """The minimal integration (`ckptdoctor integrate`: install after prepare, save_root read from
+    MOVA's code) publishes only `step-N/accelerator`; MOVA's own scan picks the newest `step-N`.
+    Without the set-aside, every restart stopped on the dead step-8 (load_state refused it)."""
+    fault = {"kind": "exit", "rank": 3, "save": "optimizer_0", "call": 2}  # in step-8's optimizer save
+    killed = mova_job(mova_copies["minimal"], tmp_path / "killed", mode, 8, fault=fault)
+    assert killed.returncode != 0
+    save_path = killed.save_path
+    dead = save_path / "step-8"  # as MOVA leaves it: its own files, then a save_state that died
+    assert (dead / "trainer_state.pt").is_file() and not counts_as_checkpoint(dead / "accelerator")
+    assert [p.name.startswith("accelerator" + INCOMPLETE) for p in dead.iterdir() if INCOMPLETE in p.name] == [True]
+    (save_path / "step-12" / "video_dit").mkdir(parents=True)  # INJECTED: a save that died in MOVA's own weights
+    resumed = mova_job(mova_copies["minimal"], tmp_path / "resumed", mode, 8, save_path=save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    log = resumed.log_path.read_text()
+    assert f"[Resume] Loading checkpoint from: {save_path / 'step-4'}" in log  # MOVA's own line, its own scan
+    assert log.count("set it aside as step-") == 2 and log.count("saves through ckptdoctor.install (level 1") == 8
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight[mode], "losses")]
+    assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight[mode], "rng_digests")]
+    assert is_complete(save_path / "step-8" / "accelerator") and is_complete(save_path / "final" / "accelerator")
+    assert not [p for p in save_path.rglob("*") if INCOMPLETE in p.name]  # the next save removed every leftover
 
 
 def test_lora_resume_takes_every_piece_from_one_step_and_repeats_the_uninterrupted_losses(

@@ -33,6 +33,15 @@ What it changes, and nothing else:
   rank stops answering without closing its connections (a lost node), rank 0 notices within
   `lost_rank_s` and every rank exits (EXIT_LOST_RANK) instead of waiting out the group timeout.
 
+At construction, on every rank, in this order: the settings are resolved; an Accelerator that
+already saves through ckptdoctor (`install` and `ScalableCheckpointing` on the same one: every
+save would run the fix inside the fix) is refused with one line; the checkpoint group is made;
+every rank's settings are compared with rank 0's and any difference stops the job on every rank,
+naming the ranks and knobs (settings.py); every rank logs one line naming the integration and its
+settings; and, with a save root (`save_root`, CKPTDOCTOR_SAVE_ROOT), rank 0 sets aside the step
+directories dead saves left there (publish.py), so that the trainer's own scan, which runs next,
+finds the newest complete step.
+
 How: Accelerate calls `torch.distributed.checkpoint.save/load` with a fixed planner and no
 process group. For the duration of one call only, those two module attributes are wrapped
 (pass-through to torch's own functions). Checked on the versions in `compat.CHECKED`.
@@ -58,12 +67,13 @@ from .planner import NotDerivable, ScalableSavePlanner
 from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
 from .settings import Settings
 from .summary import OperationRecord, make_visible
-from .publish import (Staging, complete_steps, counts_as_checkpoint, new_token, prepare, publish, remove_leftovers,
-                      why_incomplete)
+from .publish import (Staging, complete_steps, counts_as_checkpoint, leftover_places, new_token, prepare, publish,
+                      remove_leftovers, set_aside_incomplete_steps, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 log = logging.getLogger("ckptdoctor.checkpointing")
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+OWNER = "_ckptdoctor_owner"  # set on an Accelerator by the ScalableCheckpointing that saves its state
 
 
 class ScalableCheckpointing:
@@ -72,29 +82,33 @@ class ScalableCheckpointing:
     `verify_replicas`: passed to the planner (check that replicated tensors hold the same
     values on every rank before saving them once). `lost_rank_s` / `on_lost_rank` ("exit" or
     "log"): what to do about a rank that stops answering. `timeout_s`, `lost_rank_s`,
-    `on_lost_rank`, `heartbeat`, `log_level` and `publish` left as None come from the environment (settings.py),
-    else their defaults (3 h, 300 s, "exit", "process", unchanged, "rename"), so a patched trainer is tuned
-    without edits.
+    `on_lost_rank`, `heartbeat`, `log_level`, `publish` and `save_root` left as None come from the environment
+    (settings.py), else their defaults (3 h, 300 s, "exit", "process", unchanged, "rename", none), so a
+    patched trainer is tuned without edits. `integration`: what the startup line names (`install`
+    passes "install").
 
     Every step that can fail on some ranks only ends in a collective carrying its outcome
     (agreement.py): a failure anywhere is the same CheckpointAborted on every rank."""
 
     def __init__(self, accelerator, timeout_s: float | None = None, group=None, *, verify_replicas=False,
                  lost_rank_s: float | None = None, on_lost_rank: str | None = None, heartbeat: str | None = None,
-                 log_level: str | None = None, publish: str | None = None):
+                 log_level: str | None = None, publish: str | None = None, save_root: str | os.PathLike | None = None,
+                 integration: str = "ScalableCheckpointing"):
         import torch.distributed as dist
 
         check_versions()
         self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
-                                         heartbeat=heartbeat, log_level=log_level, publish=publish)
+                                         heartbeat=heartbeat, log_level=log_level, publish=publish, save_root=save_root)
         self.settings.apply_log_level()
         make_visible()
-        self.accelerator = accelerator
+        refuse_a_second_integration(accelerator, integration)
+        self.accelerator, self.integration = accelerator, integration
         # Accelerate's own methods, kept: install() puts this object's in their place on the instance
         self._accelerate_save_state, self._accelerate_load_state = accelerator.save_state, accelerator.load_state
         self.group = group or dist.new_group(backend="gloo",
                                              timeout=datetime.timedelta(seconds=self.settings.timeout_s))
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self._agree_on_settings()
         self.verify_replicas = verify_replicas
         lost = _exit_lost if self.settings.on_lost_rank == "exit" else _log_lost
         self.heartbeat = Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
@@ -102,8 +116,11 @@ class ScalableCheckpointing:
                                    use_process=self.settings.heartbeat == "process")
         self._open: dict[Path, Staging] = {}
         self._record = OperationRecord()
-        if self.rank == 0:
-            log.info("ScalableCheckpointing on %d ranks: %s", self.world_size, self.settings.describe())
+        setattr(accelerator, OWNER, self)
+        log.info("ckptdoctor: rank %d of %d saves through %s: %s", self.rank, self.world_size, INTEGRATIONS[integration],
+                 self.settings.describe())
+        if self.settings.save_root is not None:
+            self._rank0_decides("set aside incomplete steps", lambda: set_aside_dead_steps(Path(self.settings.save_root)))
 
     # -- publication ----------------------------------------------------------------------
     def begin(self, final_dir: str | os.PathLike) -> Path:
@@ -123,7 +140,8 @@ class ScalableCheckpointing:
         opened = self._open.pop(staging)
         try:
             self._barrier("every rank wrote")
-            verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened))
+            save_root = None if self.settings.save_root is None else Path(self.settings.save_root)
+            verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened, save_root))
             if verdict != "published":
                 raise CheckpointAborted(f"{staging} was not published: {verdict}")
         except BaseException:
@@ -216,6 +234,17 @@ class ScalableCheckpointing:
         return self._record
 
     # -- internals ----------------------------------------------------------------------
+    def _agree_on_settings(self) -> None:
+        """Every rank: compare its settings with rank 0's; any difference stops every rank."""
+        rank0 = rank0_decides(self.group, "share rank 0's settings", self.settings.values)
+
+        def compare():
+            differ = self.settings.differences(rank0)
+            if differ:
+                raise CkptDoctorError(f"settings differ from rank 0's: {'; '.join(differ)} (set the same CKPTDOCTOR_* "
+                                      f"variables and keywords on every node); nothing was written")
+        every_rank_agrees(self.group, "agree on the settings", compare)
+
     def _staging_of(self, path: Path) -> "Staging | None":
         for staging, opened in self._open.items():
             if path == staging or staging in path.parents:
@@ -371,16 +400,47 @@ def require_complete(path: Path, legacy: bool = True) -> None:
         raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
 
 
-def publish_and_tidy(staging: Path, opened: Staging) -> str:
-    """Rank 0: publish, then remove what earlier saves left beside it (a failure there is
-    logged: the step is published)."""
+INTEGRATIONS = {"install": "ckptdoctor.install (level 1, one call after prepare)",
+                "ScalableCheckpointing": "ScalableCheckpointing (level 2, the full patch or a trainer's own calls)"}
+
+
+def refuse_a_second_integration(accelerator, integration: str) -> None:
+    """Every rank, before any group exists: one ScalableCheckpointing per Accelerator. A second
+    one would take the first one's save_state for Accelerate's and run the fix inside the fix."""
+    existing = getattr(accelerator, OWNER, None)
+    if existing is not None:
+        raise CkptDoctorError(f"ckptdoctor: this Accelerator already saves through {INTEGRATIONS[existing.integration]}; "
+                              f"refusing to add {INTEGRATIONS[integration]} as well: keep one of the two")
+
+
+def set_aside_dead_steps(save_root: Path) -> int:
+    """Rank 0, at startup: the step directories dead saves left under `save_root`, renamed out of
+    the trainer's sight (publish.py), each named in a warning."""
+    moved = set_aside_incomplete_steps(save_root, new_token())
+    for step, aside in moved:
+        log.warning("ckptdoctor: %s holds no complete checkpoint (a save died in it: %s); set it aside as %s, so "
+                    "that the trainer resumes from its newest complete step; the next successful save removes it",
+                    step, why_step_incomplete(step), aside.name)
+    return len(moved)
+
+
+def why_step_incomplete(step: Path) -> str:
+    subs = [sub for sub in sorted(step.iterdir()) if sub.is_dir() and "." not in sub.name] if step.is_dir() else []
+    return "; ".join(f"{sub.name}: {why_incomplete(sub)}" for sub in subs) or "nothing of a checkpoint in it"
+
+
+def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = None) -> str:
+    """Rank 0: publish, then remove what earlier saves left beside it, in the save root and in its
+    step directories (a failure there is logged: the step is published)."""
     verdict = publish(staging, opened)
-    if verdict == "published":
+    if verdict != "published":
+        return verdict
+    for place in leftover_places(opened.final, save_root):
         try:
-            for leftover in remove_leftovers(opened.final.parent, opened.token):
+            for leftover in remove_leftovers(place, opened.token):
                 log.info("ckptdoctor: removed %s, left by an earlier save", leftover)
         except OSError as error:
-            log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", opened.final.parent, error)
+            log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", place, error)
     return verdict
 
 

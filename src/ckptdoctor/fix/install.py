@@ -10,21 +10,32 @@ planner on a checkpoint group with its own timeout; `dir` published atomically; 
 a complete checkpoint; a failure on any rank the same CheckpointAborted everywhere. The trainer's
 other lines stay as they are, so local edits elsewhere in the file do not matter.
 
+With `save_root=` (the directory holding the trainer's step directories; or CKPTDOCTOR_SAVE_ROOT),
+a step a dead save left there is set aside at this call, before the trainer's own scan for its
+newest step runs, so that a restart resumes from the newest complete step instead of stopping on
+the dead one at every restart (publish.py). `ckptdoctor integrate` passes it when it can read the
+root from the trainer's code. Without it, rank 0 warns once that a dead save will stop the
+resume until its step is removed by hand.
+
 What it does not do (the full patch, `patches/mova-feat-npu.patch`, does): publish the whole step
 directory at once (trainer_state.pt and LoRA weights are written beside the Accelerate state,
-unpublished), pick the newest *complete* step at resume, save LoRA adapters without a full gather.
+unpublished), save LoRA adapters without a full gather.
 
 Only this instance is changed (attributes on it; Accelerate's class is untouched). Calling
-`install` again returns the same ScalableCheckpointing.
+`install` again returns the same ScalableCheckpointing; calling it on an Accelerator that a
+`ScalableCheckpointing(...)` of the full patch already serves, or making that one after `install`,
+is refused with one line on every rank (one integration per Accelerator).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from ..errors import CkptDoctorError
 
 ATTRIBUTE = "_ckptdoctor_checkpointing"
+log = logging.getLogger("ckptdoctor.install")
 
 
 def install(accelerator, **settings):
@@ -36,7 +47,11 @@ def install(accelerator, **settings):
     existing = getattr(accelerator, ATTRIBUTE, None)
     if existing is not None:
         return existing
-    ckpt = ScalableCheckpointing(accelerator, **settings)
+    ckpt = ScalableCheckpointing(accelerator, integration="install", **settings)
+    if ckpt.settings.save_root is None and ckpt.rank == 0:
+        log.warning("ckptdoctor.install: no save_root given (keyword or CKPTDOCTOR_SAVE_ROOT): if a save dies, the "
+                    "trainer's own scan may pick its incomplete step at the next start, and load_state will refuse it "
+                    "until that step is removed; pass save_root=<the directory of your step directories>")
 
     def save_state(output_dir: str | os.PathLike | None = None, **kwargs) -> str:
         if output_dir is None:

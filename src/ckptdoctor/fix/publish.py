@@ -20,6 +20,17 @@ successful save beside it removes it.
 
 What counts as a checkpoint (`is_complete`, `legacy_complete` for stock saves) and which is the
 newest (`find_latest`) live here too: they are the reading side of the same protocol.
+
+A trainer that makes its own step directories and calls `save_state` inside them (MOVA:
+`step-N/trainer_state.pt`, then `save_state(step-N/accelerator)`) publishes only the Accelerate
+directory; when a save dies, `step-N` stays, and the trainer's own scan for its newest step would
+pick it and stop on it at every restart (or, when it died before `trainer_state.pt`, silently
+start again from step 0). So at startup, when the trainer's save root is known
+(`Settings.save_root`), rank 0 sets such steps aside before the trainer scans
+(`set_aside_incomplete_steps`): every `<name><N>` directory there that holds no checkpoint,
+neither itself nor a directory inside it, is renamed `<name><N>.incomplete-<token>`. Nothing is
+deleted then; the next successful save removes it with the other leftovers, which it looks for
+beside the directory it published, in the save root, and inside each step directory there.
 """
 
 from __future__ import annotations
@@ -286,6 +297,58 @@ def remove_leftovers(root: Path, token: str) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def leftover_places(final: Path, save_root: Path | None) -> list[Path]:
+    """Where a save that published `final` looks for earlier saves' leftovers: beside `final`,
+    and, when `final` sits in a step directory (`<root>/step-N/accelerator`) or a save root is
+    given, in that root and inside each of its step directories."""
+    places = [final.parent]
+    root = save_root or (final.parent.parent if STEP_NAME.match(final.parent.name) else None)
+    if root is not None and Path(root).is_dir():
+        places.append(Path(root))
+        places += [entry for entry in sorted(Path(root).iterdir()) if entry.is_dir() and _is_step(entry)]
+    return list(dict.fromkeys(Path(p) for p in places))
+
+
+def set_aside_incomplete_steps(root: Path, token: str) -> list[tuple[Path, Path]]:
+    """Rank 0, at startup, before the trainer looks for its newest step under `root`: rename each
+    step directory that a save died in to `<name>.incomplete-<token>`, out of the trainer's sight.
+    Returns (old, new) pairs. A step counts as one a save died in when it holds no checkpoint
+    (neither itself nor a directory inside it: a whole stock save counts, and so does a step
+    being replaced, by its `.replaced-` copy) and it is named like the root's checkpoints (the
+    same name before the number as a step that holds one) or holds a save's traces (a staging
+    or replaced directory, a WRITING file). Any other directory is not the trainer's and stays."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = [entry for entry in sorted(root.iterdir()) if entry.is_dir() and _is_step(entry)]
+    complete = {entry: _holds_a_checkpoint(entry) for entry in steps}
+    bases = {STEP_NAME.match(entry.name)["base"] for entry, whole in complete.items() if whole}
+    moved = []
+    for entry, whole in complete.items():
+        if whole or not (STEP_NAME.match(entry.name)["base"] in bases or _holds_traces(entry)):
+            continue
+        aside = entry.with_name(f"{entry.name}{INCOMPLETE}{token}")
+        os.replace(entry, aside)
+        moved.append((entry, aside))
+    if moved:
+        fsync_directory(root)
+    return moved
+
+
+def _holds_traces(step: Path) -> bool:
+    return any(INCOMPLETE in p.name or REPLACED in p.name or p.name == WRITING_MARKER
+               for p in [*step.iterdir(), *(q for sub in step.iterdir() if sub.is_dir() for q in sub.iterdir())])
+
+
+def _is_step(entry: Path) -> bool:
+    """A step directory's own name: ends in its number, and is no staging or replaced copy."""
+    return bool(STEP_NAME.match(entry.name)) and INCOMPLETE not in entry.name and REPLACED not in entry.name
+
+
+def _holds_a_checkpoint(step: Path) -> bool:
+    return counts_as_checkpoint(step) or any(counts_as_checkpoint(sub) for sub in step.iterdir() if sub.is_dir())
 
 
 def _claimed_before(entry: Path, started: int | None) -> bool:

@@ -8,9 +8,20 @@
     CKPTDOCTOR_LOG_LEVEL         the level of the "ckptdoctor" loggers          (default INFO, summary.py)
     CKPTDOCTOR_PUBLISH           "rename": write beside, rename into place, mark; "in_place": write
                                  in place, mark last, for object-store mounts (publish.py) (default rename)
+    CKPTDOCTOR_SAVE_ROOT         the directory holding the trainer's step directories: at startup,
+                                 a step a dead save left incomplete there is set aside before the
+                                 trainer looks for its newest step (publish.py) (default none)
 
-A keyword given to `ScalableCheckpointing` wins over the environment. A value that cannot be
-used is refused at construction with one line naming the variable, before any group exists.
+A keyword given to `ScalableCheckpointing` (or `install`) wins over the environment. A value
+that cannot be used is refused at construction with one line naming the variable, before any
+group exists.
+
+The knobs must be the same on every rank: a rank publishing in place while the others rename
+would write where nothing is published. Each rank reads its own environment, so right after the
+checkpoint group exists every rank compares its resolved settings with rank 0's
+(`differences`; the log level alone may differ: it changes
+what a rank prints, not what it writes); the job refuses to start, on every rank, naming the ranks and knobs that
+differ, before anything is written (checkpointing.py).
 """
 
 from __future__ import annotations
@@ -28,7 +39,9 @@ ON_LOST_RANK = ("exit", "log")
 HEARTBEAT = ("process", "thread")
 ENV = {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "CKPTDOCTOR_LOST_RANK_S",
        "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
-       "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH"}
+       "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH", "save_root": "CKPTDOCTOR_SAVE_ROOT"}
+
+AGREED = tuple(knob for knob in ENV if knob != "log_level")
 
 
 class BadSetting(CkptDoctorError):
@@ -43,6 +56,7 @@ class Settings:
     heartbeat: str = "process"
     log_level: str | None = None
     publish: str = "rename"
+    save_root: str | None = None
     sources: tuple[tuple[str, str], ...] = ()  # (knob, "keyword" | variable name) for each one not defaulted
 
     @classmethod
@@ -68,7 +82,17 @@ class Settings:
     def describe(self) -> str:
         given = ", ".join(f"{knob} from {where}" for knob, where in self.sources) or "all defaults"
         return (f"checkpoint group timeout {self.timeout_s:.0f} s, lost rank after {self.lost_rank_s:.0f} s "
-                f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat}, publish by {self.publish} ({given})")
+                f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat}, publish by {self.publish}, "
+                f"save root {self.save_root or 'not given'} ({given})")
+
+    def values(self) -> dict:
+        """The resolved knobs every rank must share (not where they came from)."""
+        return {knob: getattr(self, knob) for knob in AGREED}
+
+    def differences(self, rank0: dict) -> list[str]:
+        """`knob=this rank's value (rank 0: its value)` for each knob that differs from rank 0's."""
+        mine = self.values()
+        return [f"{knob}={mine[knob]!r} (rank 0: {rank0[knob]!r})" for knob in AGREED if mine[knob] != rank0[knob]]
 
 
 def _checked(knob: str, value, where: str):
@@ -81,6 +105,8 @@ def _checked(knob: str, value, where: str):
         if not seconds > 0 or seconds == float("inf"):
             raise BadSetting(f"{name}={value!r}: expected seconds, a positive number")
         return seconds
+    if knob == "save_root":
+        return os.path.abspath(os.fspath(value))
     if knob in ("on_lost_rank", "heartbeat", "publish"):
         allowed = {"on_lost_rank": ON_LOST_RANK, "heartbeat": HEARTBEAT, "publish": PUBLISH}[knob]
         if value not in allowed:

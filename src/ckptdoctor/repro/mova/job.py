@@ -45,7 +45,7 @@ PATCHED_FILES = {
 }
 # sha256 of what `ckptdoctor integrate` (the minimal integration) makes of MOVA's trainer
 INTEGRATED_FILES = {
-    "mova/engine/trainer/accelerate/accelerate_trainer.py": "42d4cf7ebf2287901f0dec70cca085a164cd0676a4829e16b2fbfbebbc75ee8d",
+    "mova/engine/trainer/accelerate/accelerate_trainer.py": "07dbe0b4aead302ea99fe3007de6f98103efce32b6b13745960b77861e4a3b1c",
 }
 INTEGRATIONS = (None, "full", "minimal")  # stock; patches/mova-feat-npu.patch; ckptdoctor integrate
 
