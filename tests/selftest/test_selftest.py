@@ -76,18 +76,27 @@ def test_a_full_file_system_fails_the_save_on_every_rank_with_one_reason_and_eve
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.__version__.split("+")[0] != "2.8.0", reason="on the user's stack only: the launcher, not torch")
-def test_two_ranks_under_accelerate_launch_pass_and_check_predicts_their_checkpoint(tmp_path):
-    """Then `check --from-checkpoint`, with a relative path, on the Accelerate directory those two
-    real FSDP2 processes wrote: one save per DCP checkpoint in it, every rank's items counted."""
+def test_selftest_under_accelerate_launch_with_the_jobs_yaml_passes_and_check_predicts_its_checkpoint(tmp_path):
+    """As the guide says to launch it: with the job's own yaml. With MOVA's extract here, that is
+    MOVA's fsdp_8.yaml (8 ranks, FSDP2 with offload, and its parallelism_config: cp 4 x dp_shard 2,
+    which Accelerate reads beside the selftest's own plugin); without it, 2 ranks with --multi_gpu.
+    Then `check --from-checkpoint`, with a relative path, on the Accelerate directory those real
+    FSDP2 processes wrote: one save per DCP checkpoint in it, every rank's items counted."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    from ckptdoctor.repro.mova.job import Extract, ExtractProblem
+
+    try:
+        launch, world = ["--config_file", str(Extract.find().path / "configs/training/accelerate/fsdp_8.yaml")], 8
+    except ExtractProblem:
+        launch, world = ["--multi_gpu", "--num_processes", "2"], 2
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    proc = subprocess.run([accelerate, "launch", "--multi_gpu", "--num_processes", "2", "-m", "ckptdoctor", "selftest",
+    proc = subprocess.run([accelerate, "launch", *launch, "-m", "ckptdoctor", "selftest",
                            "--dir", "ckpt", "--json", "r.json", "--keep"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["world_size"] == 2 and set(verdicts(report).values()) == {"PASS"}
+    assert report["world_size"] == world and set(verdicts(report).values()) == {"PASS"}
 
     written = next(tmp_path.glob("ckpt/**/optimizer_0/.metadata")).parent.parent.relative_to(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor", "check", "--ranks", "16", "--from-checkpoint",
