@@ -81,6 +81,19 @@ def test_the_users_report(user_report_text, tmp_path):
     assert diagnose([tmp_path / "report.txt"], ranks_per_node=8)["nodes"] == {"node 142": [1136, 1139]}
 
 
+def test_every_frame_of_the_users_report_is_read_in_order(user_report_text, tmp_path):
+    """The report is one long line; a frame cut by one anchor's window was once skipped by the next
+    (`state_dict_saver.py:362 in _save_state_dict` was missing between save and reduce_scatter)."""
+    import re
+
+    first = user_report_text[user_report_text.index("[rank1136]: Traceback"):]
+    first = first[:first.index("Error", first.index("broadcast"))]
+    written = [f"{file}:{line} in {func}" for file, line, func in
+               re.findall(r'File "([^"]+)", line (\d+), in ([\w<>]+)', first)]
+    report = diagnose([write(tmp_path, "report.txt", [user_report_text])])
+    assert len(written) == 16 and report["frames"] == written
+
+
 @pytest.mark.parametrize("collapse,gz", [(False, False), (True, False), (False, True)])
 def test_interleaved_collapsed_or_gzip_logs_read_the_same(tmp_path, collapse, gz):
     blocks = [traceback_lines(r, SAVE_OPTIM_28, GLOO.format(ms=600000)) for r in (9, 10, 17)]

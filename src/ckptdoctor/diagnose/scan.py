@@ -216,9 +216,10 @@ class _Reader:
             line_end = text.find("\n", position)
             start = max(line_start, position - WINDOW, scanned)
             end = min(len(text) if line_end == -1 else line_end, position + WINDOW)
-            for match in SCANNER.finditer(text, start, end):
+            scanned = position + 1  # the next anchor's window starts after what this one matched, not at its end:
+            for match in SCANNER.finditer(text, start, end):  # a frame cut by this window is found whole by its own
                 self._sighting(match, self.rank_at(text, match.start()))
-            scanned = end
+                scanned = max(scanned, match.end())
         end = max(limit, scanned)
         self.carry_rank = self.rank_at(text, end)
         return text[end:]
