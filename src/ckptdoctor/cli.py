@@ -173,6 +173,18 @@ def cmd_integrate(args) -> int:
     return 0
 
 
+def cmd_docs(args) -> int:
+    from .documents import DOCUMENTS, locate
+
+    if args.name is None:
+        for name in DOCUMENTS:
+            print(f"{name:14s} {locate(name)}")
+        return 0
+    path = locate(args.name)
+    print(path if args.path else path.read_text(), end="\n" if args.path else "")
+    return 0
+
+
 def cmd_selftest(args) -> int:
     from .selftest.run import Options, format_report, run, write_json
 
@@ -353,6 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="name nodes as rank // N when the log has no host lines (off by default: a guess)")
     diag.add_argument("--json", metavar="PATH", help="write the machine-readable diagnosis here")
     diag.set_defaults(func=cmd_diagnose)
+
+    docs = sub.add_parser(
+        "docs", help="show a document (the guide, the root cause, the reproduction), from a checkout or the wheel",
+        description="Prints a document installed with ckptdoctor (the wheel carries them) or, in a checkout, the "
+                    "checkout's copy. Without NAME: every document's name and file.",
+        epilog="exit status: 0 shown; 2 no such document")
+    docs.add_argument("name", nargs="?", metavar="NAME", help="readme, fix-for-mova, root-cause or reproduction")
+    docs.add_argument("--path", action="store_true", help="print the file's path instead of its text")
+    docs.set_defaults(func=cmd_docs)
     return parser
 
 

@@ -8,6 +8,7 @@ import sys
 import sysconfig
 import venv
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,7 @@ def wheel(tmp_path_factory):
     shutil.copytree(REPO / "src", src / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     shutil.copy(REPO / "pyproject.toml", src)
     shutil.copy(REPO / "README.md", src)
+    shutil.copytree(REPO / "docs", src / "docs", ignore=shutil.ignore_patterns("evidence", "figures"))
     out = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
                    check=True, capture_output=True, text=True)
@@ -97,3 +99,17 @@ def test_selftest_at_8_ranks_runs_from_the_installed_wheel_with_no_checkout(imag
     assert report["ckptdoctor"].startswith(site) and report["world_size"] == 8, report["ckptdoctor"]
     verdicts = {c["name"]: c["verdict"] for c in report["checks"]}
     assert set(verdicts.values()) == {"PASS"} and "stock plan exchange" in verdicts and len(verdicts) == 13, verdicts
+
+
+def test_the_installed_wheel_shows_every_document_from_any_directory(image, tmp_path):
+    """Messages in a training image say `ckptdoctor docs fix-for-mova`: the wheel carries the documents."""
+    from ckptdoctor.documents import DOCUMENTS
+
+    python, site = image
+    for name, path in DOCUMENTS.items():
+        proc = subprocess.run([str(python), "-m", "ckptdoctor", "docs", name], cwd=tmp_path, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": ""})
+        assert proc.returncode == 0 and proc.stdout == (REPO / path).read_text(), (name, proc.stderr)
+        where = subprocess.run([str(python), "-m", "ckptdoctor", "docs", name, "--path"], cwd=tmp_path,
+                               capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}).stdout.strip()
+        assert where.endswith(f"share/ckptdoctor/{Path(path).name}") and not where.startswith(str(REPO)), where

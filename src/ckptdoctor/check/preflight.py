@@ -38,7 +38,7 @@ def run_check(ranks: int, layout: Layout, deadline_s: float, warn_fraction: floa
     ours = {r["save"]: r["coordinator_s"] for r in records if r["planner"] == "ours"}
     warnings = [f"{r['save']} save: rank 0 plans for about {_fmt_s(r['coordinator_s'])} "
                 f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
-                f"use ckptdoctor's ScalableSavePlanner (docs/fix-for-mova.md): about {_fmt_s(ours[r['save']])}"
+                f"use ckptdoctor's ScalableSavePlanner (`ckptdoctor docs fix-for-mova`): about {_fmt_s(ours[r['save']])}"
                 for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
     load_records = _predict_loads(ranks, layout, opts, progress) if load else []
     warnings += [f"resume of the {r['save']} save: rank 0 reads the .metadata and exchanges load plans for about "

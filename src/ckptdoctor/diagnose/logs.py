@@ -38,7 +38,7 @@ FRAME_LINES = {
 MIN_VERSION_FRAMES = 2  # a version is named only when this many frames agree with it and none disagrees
 COORDINATOR_PHASES = {"plan-scatter", "plan-gather", "finish-gather", "finish-scatter"}
 LAUNCHER_FILES = ("torch/distributed/run.py", "torch/distributed/elastic/", "torch/distributed/launcher/", "/torchrun")
-DOCS = "docs/root-cause.md"
+DOCS = "`ckptdoctor docs root-cause`"
 WATCHDOG_KINDS = ("watchdog", "watchdog_summary", "nccl_down", "hccl_timeout", "watchdog_note")
 
 # The error a log shows, by the kinds of sightings, most specific first.
@@ -330,7 +330,7 @@ def _coordinator_causes(f) -> list[Cause]:
     return [
         Cause("dcp-coordinator-slow", "rank 0 (the DCP coordinator) was still planning when the peers' deadline passed",
               LIKELY, evidence, "use ckptdoctor's ScalableSavePlanner and a checkpoint group with a longer timeout "
-                                "(docs/fix-for-mova.md); check the layout with `ckptdoctor check`"),
+                                "(`ckptdoctor docs fix-for-mova`); check the layout with `ckptdoctor check`"),
         Cause("coordinator-died", "rank 0 died or hung before answering", LIKELY,
               ["rank 0 did not report the timeout in these logs"],
               "check rank 0's own log lines and its host (dmesg) at that time"),
