@@ -2,6 +2,7 @@
 runs it on MOVA's own file): the save root read from the code or a note, the full patch refused."""
 
 import ast
+import re
 import textwrap
 
 import pytest
@@ -90,3 +91,33 @@ def test_the_subclass_scan_stays_inside_the_package(tmp_path):
     assert [n.split(": ", 1)[1] for n in placed.notes] == [
         "Npu subclasses Trainer and overrides _setup(): a trainer built from it never runs the inserted call; add it "
         "after that prepare too"]
+
+
+@pytest.mark.parametrize("source, line", [
+    ('''
+    def setup(self):
+        self.model = self.accelerator.prepare(self.model)
+        self.critic_opt = self.critic_accelerator.prepare(self.critic_opt)
+    ''', "2 accelerators prepare something (self.accelerator, self.critic_accelerator)"),
+    ('''
+    def setup(self):
+        self.net = self.accelerator.prepare(self.net)
+        self.ema.model = self.ema_accelerator.prepare(self.ema.model)
+
+    def save(self):
+        self.accelerator.save_state("out")
+    ''', "2 accelerators prepare something"),
+    ('''
+    def setup(self):
+        self.ema.model = self.ema_accelerator.prepare(self.ema.model)
+
+    def save(self):
+        self.accelerator.save_state("out")
+    ''', "the model is prepared by self.ema_accelerator, but the trainer saves through self.accelerator"),
+])
+def test_a_second_accelerators_model_is_not_taken_for_the_main_one(tmp_path, source, line):
+    path = write(tmp_path, source)
+    before = path.read_text()
+    with pytest.raises(CannotIntegrate, match=re.escape(line)):
+        integrate(path)
+    assert path.read_text() == before

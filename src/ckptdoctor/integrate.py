@@ -113,11 +113,32 @@ def plan(path: Path, source: str) -> Placement:
         raise CannotIntegrate(f"{path}: {len(candidates)} statements prepare a model (lines {lines}); ckptdoctor will "
                               f"not guess which: add the two lines by hand after the one your training uses")
     node, function, accelerator = candidates[0]
+    _one_accelerator(path, tree, node, accelerator)
     root = save_root(tree, node, function, accelerator)
     notes = [] if root else [f"no save root could be read from {path.name}: pass save_root=<the directory of your step "
                              f"directories> to ckptdoctor.install, so that a step a dead save left is set aside"]
     notes += overridden_in_subclasses(path, tree, node, function)
     return Placement(path, (node.lineno, node.end_lineno), function, accelerator, save_root=root, notes=tuple(notes))
+
+
+def _one_accelerator(path: Path, tree: ast.Module, prepare: ast.Assign, accelerator: str) -> None:
+    """The accelerator that prepares the model is the one the trainer saves through, and no other
+    accelerator prepares anything: a second Accelerator's `.model` is not taken for the main one."""
+    preparing, saving = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                "accelerator" in ast.unparse(node.func.value).lower():
+            if node.func.attr == "prepare":
+                preparing.add(ast.unparse(node.func.value))
+            elif node.func.attr in ("save_state", "load_state"):
+                saving.add(ast.unparse(node.func.value))
+    if len(preparing) > 1:
+        raise CannotIntegrate(f"{path}: {len(preparing)} accelerators prepare something ({', '.join(sorted(preparing))}); "
+                              f"ckptdoctor will not guess which one saves the training state: add the two lines by "
+                              f"hand after that one's prepare")
+    if saving and accelerator not in saving:
+        raise CannotIntegrate(f"{path}:{prepare.lineno}: the model is prepared by {accelerator}, but the trainer saves "
+                              f"through {', '.join(sorted(saving))}; nothing changed, add the two lines by hand")
 
 
 # -- the save root ---------------------------------------------------------------------------
