@@ -214,7 +214,9 @@ def test_cli_json_and_missing_file(tmp_path, user_report_text):
     data = json.loads(out.read_text())
     assert {"error", "operation", "target", "phase", "waiting_call", "ranks", "waiting_on", "timeout_ms", "torch",
             "accelerate", "causes", "known"} <= set(data)
-    assert data["waiting_on"] == {"value": [0], "confidence": "likely", "evidence": data["waiting_on"]["evidence"]}
+    evidence = list(diagnose([log]).finding("waiting_on").evidence)  # the library's own, in this process
+    assert data["waiting_on"] == {"value": [0], "confidence": "likely", "evidence": evidence}
+    assert any("2 rank(s) timed out in plan-scatter" in line for line in evidence), evidence
     assert data["error"]["value"] == "gloo-timeout" and data["known"] is True
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "nope.log")],
                           capture_output=True, text=True)

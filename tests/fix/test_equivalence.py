@@ -106,6 +106,11 @@ def check_batch(tmp_path, world, batch):
     saved = run(tmp_path, world, "save", out / "cases.json", out)
     other = 2 if world == 4 else 4
     resharded = run(tmp_path, other, "reshard", out / "cases.json", out)
+    # a harness that broke both sides alike (every case failing the same way, or nothing compared)
+    # would pass every check below: some case must save on both sides and bring values back
+    compared = [name for ranks in saved for r in ranks for name, verdict in r.get("ours_values", {}).items()
+                if verdict == "ok" and r.get("stock_values", {}).get(name) == "ok"]
+    assert compared, f"no value of this batch round-tripped on both sides: {json.dumps(saved)[:2000]}"
     for i, case in enumerate(batch):
         where = f"case {i}: {json.dumps(case)}"
         per_rank = [ranks[i] for ranks in saved]

@@ -48,13 +48,13 @@ def test_the_child_posts_while_the_main_thread_holds_the_gil_and_stops_when_told
     beat = ProcessBeat(store, "beat/0", interval_s=0.1)
     beat.start()
     try:
-        time.sleep(0.5)  # the child connects and posts
+        assert wait_for(lambda: store.check(["beat/0"]))  # the child connected and posted
         first = seq(store, "beat/0")
         hold_the_gil(2.0)
         during = seq(store, "beat/0") - first
     finally:
         beat.stop()
-    assert during >= 10, during  # ~20 posts in 2 s, none of which needed this process's GIL
+    assert during >= 1, during  # a post while this process's main thread held the GIL: not the thread's
     last = seq(store, "beat/0")
     time.sleep(0.4)
     assert seq(store, "beat/0") == last and beat.pid is None  # stopped means no more posts
@@ -73,7 +73,7 @@ def test_the_child_leaves_when_its_parent_is_stopped_and_when_it_is_gone(store, 
     parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        time.sleep(1.0)
+        assert wait_for(lambda: store.check(["beat/1"]))
         assert process_state(child) in ("S", "R") and seq(store, "beat/1") > 0
         os.kill(parent.pid, signal.SIGSTOP)
         assert wait_for(lambda: process_state(parent.pid) == "T")

@@ -144,16 +144,16 @@ def test_a_stock_resave_in_the_same_second_on_a_coarse_timestamp_filesystem_is_r
     from ckptdoctor.fix.storage import ScalableFileSystemWriter
 
     with coarse_timestamps(tmp_path / "coarse") as mount:
-        for attempt in range(5):  # both saves within one second of the filesystem's clock
-            ckpt = mount / f"ckpt{attempt}"
-            dcp.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, storage_writer=ScalableFileSystemWriter(ckpt))
-            first = (ckpt / ".metadata").stat()
-            dcp.save({"b": torch.full((4,), 4.0), "a": torch.full((4,), 3.0)}, storage_writer=FileSystemWriter(ckpt))
-            second = (ckpt / ".metadata").stat()
-            if (first.st_size, first.st_mtime_ns) == (second.st_size, second.st_mtime_ns):
-                break
-        else:
-            pytest.skip("could not re-save within one filesystem second")
+        ckpt = mount / "ckpt"
+        dcp.save({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)}, storage_writer=ScalableFileSystemWriter(ckpt))
+        first = (ckpt / ".metadata").stat()
+        dcp.save({"b": torch.full((4,), 4.0), "a": torch.full((4,), 3.0)}, storage_writer=FileSystemWriter(ckpt))
+        # INJECTED: both saves in one second of the filesystem's clock. It happens by itself when they
+        # are quick enough; setting it makes the test independent of this machine's load (it used to
+        # skip itself when two saves took more than a second).
+        os.utime(ckpt / ".metadata", ns=(first.st_atime_ns, first.st_mtime_ns))
+        second = (ckpt / ".metadata").stat()
+        assert (first.st_size, first.st_mtime_ns) == (second.st_size, second.st_mtime_ns)
         assert first.st_mtime_ns % 10**9 == 0  # the filesystem really keeps whole seconds
         assert (ckpt / INDEX_NAME).is_file()
         ours, stock = ({"a": torch.zeros(4), "b": torch.zeros(4)} for _ in range(2))

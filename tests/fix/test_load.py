@@ -66,4 +66,38 @@ def test_a_damaged_checkpoint_is_refused_on_every_rank_in_one_line_naming_it(tmp
     for report in reports.values():
         assert "\n" not in report["error"]
         assert re.search(line, report["error"]), report["error"]
-        assert report["load_s"] < 60
+
+
+def test_a_stock_checkpoint_on_a_read_only_mount_loads_without_its_index(saved, tmp_path, caplog):
+    """REAL fault: a read-only bind mount (EROFS for root too). Rank 0 cannot write the index it
+    would make for a stock checkpoint: it says so once and every rank reads `.metadata` instead."""
+    import logging
+    import shutil
+
+    from ckptdoctor.fix.load_check import prepare_for_load
+
+    from support.faults import read_only_bind
+
+    state = tmp_path / "state"
+    shutil.copytree(saved / "stock", state / "optimizer_0")
+    with read_only_bind(state / "optimizer_0"):  # the checkpoint; the jobs' reports go beside it
+        with caplog.at_level(logging.INFO, logger="ckptdoctor"):
+            assert prepare_for_load(state) == "ok"
+        assert "stays without an index (" in caplog.text and "Read-only file system" in caplog.text
+        reports = run(tmp_path, 4, "load", state / "optimizer_0", "ours")
+        assert [r["mismatches"] for r in reports] == [[]] * 4  # every value, bit for bit
+    assert not (state / "optimizer_0" / INDEX_NAME).exists()
+
+
+def test_a_truncated_data_file_is_named_before_any_rank_reads(saved, tmp_path):
+    import shutil
+
+    from ckptdoctor.fix.load_check import prepare_for_load
+
+    state = tmp_path / "state"
+    shutil.copytree(saved / "ours", state / "optimizer_0")
+    data = sorted((state / "optimizer_0").glob("*.distcp"))[-1]
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.truncate(size - 1)
+    assert prepare_for_load(state) == f"{data} is truncated: {size - 1} bytes, its chunks reach {size}"

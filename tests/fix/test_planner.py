@@ -218,7 +218,10 @@ def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_own
     ours = tmp_path / "owned"
     saved = run(tmp_path, 4, "save", ours, "ours-owned+writer", env=env)
     assert [r["mode"] for r in saved] == ["owned"] * 4
-    assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped
+    assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped ...
+    only = {"plain": {"only_here": torch.zeros(3)}}
+    dcp.load(only, storage_reader=FileSystemReader(str(ours)))  # ... with its bytes (this process: no group)
+    assert torch.equal(only["plain"]["only_here"], torch.ones(3))
     assert all(len(files) == 1 for files in writers(ours).values())
     loaded = run(tmp_path, 2, "load", ours)
     assert all(r["mismatches"] == [] for r in loaded)
@@ -245,8 +248,7 @@ def test_a_rank_failing_in_planning_fails_every_rank_at_once_and_nothing_is_writ
     through DCP's own gather and scatter, as with stock (a group timeout of 120 s)."""
     reports = run(tmp_path, 4, "save", tmp_path / "ckpt", planner, env={"FAIL_PLANNING_ON_RANK": "2"})
     assert [r["failed"] for r in reports] == [["RuntimeError"]] * 4
-    assert all("injected planning failure on rank 2" in r["error"] for r in reports)
-    assert max(r["save_s"] for r in reports) < 30
+    assert all("injected planning failure on rank 2" in r["error"] for r in reports)  # not a group timeout's
     assert not (tmp_path / "ckpt" / ".metadata").exists()
 
 

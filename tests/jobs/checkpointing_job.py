@@ -20,7 +20,8 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
                  none, stock (saved by stock save_state: no marker, no index), missing-metadata,
                  truncated-metadata (and no index), data-file-missing, extra-key (the model holds a key
                  the checkpoint does not)
-(a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared)
+(a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared, ordered by
+ TEST_HOLD=before-save (made, then waits for OUT/go before saving) or before-publish (written, then waits))
 Each rank writes OUT/rank<N>.json: what happened, when.
 """
 
@@ -148,6 +149,15 @@ def stop_in_planning(rank: int, how: str) -> None:
     DefaultSavePlanner.create_local_plan = create_local_plan
 
 
+def hold_at(point: str) -> None:
+    """Rank 0 says this job reached `point` (OUT/<point>); every rank waits for the test's OUT/go."""
+    if dist.get_rank() == 0:
+        Path(OUT, point).write_text(repr(time.time()))
+    deadline = time.monotonic() + 120
+    while not Path(OUT, "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def refused(work) -> str:
     try:
         work()
@@ -187,6 +197,9 @@ def main() -> int:
     rank = dist.get_rank()
     report = {"rank": rank, "fault": fault}
     accelerator = StandInAccelerator(bound=fault == "bound")
+    if os.environ.get("TEST_HOLD") == "before-publish":  # Accelerate's save_state as ScalableCheckpointing will keep it
+        save_state = accelerator.save_state
+        accelerator.save_state = lambda directory: (save_state(directory), hold_at("written"))[0]
     if fault in ("double", "settings"):
         return construction_only(fault, target, accelerator, root, report)
     # its timeout and lost-rank window: from the test's environment
@@ -227,6 +240,8 @@ def main() -> int:
         elif fault.startswith("load-"):
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:
+            if os.environ.get("TEST_HOLD") == "before-save":  # the two-jobs race, ordered by the test
+                hold_at("ready")
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
             report["latest"] = str(ckpt.latest(root, "accelerator"))
         report["status"] = "ok"

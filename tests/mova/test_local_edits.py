@@ -22,11 +22,27 @@ SECOND_PREPARE = ("    def _reprepare(self):  # local: re-wrap the model after a
                   "        self.model = self.accelerator.prepare(self.model)\n\n")
 
 
+# Where `git apply --check` takes the full patch (docs/evidence/local_edits.txt, the guide: 2 of 5): the hunks'
+# context lines are intact only when no local line sits inside or right beside them.
+FULL_PATCH_APPLIES = {
+    "43 at the top, 14 at the start of train()": True,
+    "43 before _setup, 14 before the save_state call": False,
+    "43 in _setup before the prepare, 14 in the train loop": True,
+    "43 before _build_lr_scheduler, 14 in _save_checkpoint after step_dir": False,
+    "43 right after the prepare, 14 at the start of train()": False,
+}
+
+
 @pytest.fixture(params=list(PLACEMENTS))
-def local_copy(request, extract, tmp_path):
+def placement(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def local_copy(placement, extract, tmp_path):
     copy = extract.copy_to(tmp_path / "mova", integration=None)
     trainer = copy / TRAINER
-    trainer.write_text(with_local_lines(trainer.read_text(), PLACEMENTS[request.param]))
+    trainer.write_text(with_local_lines(trainer.read_text(), PLACEMENTS[placement]))
     compile(trainer.read_text(), str(trainer), "exec")  # the local lines themselves are valid Python
     source = trainer.read_text()
     assert source.count("def train(self):") == 1
@@ -54,7 +70,7 @@ def test_the_minimal_integration_lands_right_after_the_prepare(local_copy):
     assert trainer.read_text().count("ckptdoctor.install(") == 1
 
 
-def test_the_full_patch_applies_correctly_or_stops_and_changes_nothing(local_copy):
+def test_the_full_patch_applies_correctly_or_stops_and_changes_nothing(local_copy, placement):
     """`git apply --check` then `git apply`, as the guide says (run from MOVA's top directory,
     git discovering no other work tree): no fuzz, so a hunk whose context moved is refused."""
     trainer = local_copy / TRAINER
@@ -62,6 +78,7 @@ def test_the_full_patch_applies_correctly_or_stops_and_changes_nothing(local_cop
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(local_copy.parent)}
     check = subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=local_copy, env=env,
                            capture_output=True, text=True)
+    assert (check.returncode == 0) == FULL_PATCH_APPLIES[placement], check.stderr  # 2 of 5, as documented
     if check.returncode != 0:
         assert trainer.read_text() == before and "patch does not apply" in check.stderr
         return

@@ -49,37 +49,48 @@ def test_log_diagnosis_needs_no_torch():
     assert "torch" not in loaded and not [m for m in loaded if m.startswith(("ckptdoctor.repro", "ckptdoctor.fix"))]
 
 
-def test_the_fix_imports_nothing_above_or_beside_it():
-    """Read the sources: modules of ckptdoctor.fix import only the fix, errors and ranks."""
-    import ast
-    from pathlib import Path
-
-    import ckptdoctor.fix
-
-    for path in Path(ckptdoctor.fix.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                target = "." * node.level + (node.module or "")
-                assert target.startswith(".") and not target.startswith(("..repro", "..simulate", "..diagnose")), \
-                    f"{path.name} imports {target}"
+# What each product package may import of ckptdoctor (itself included), read from the sources:
+# relative and absolute imports alike, at any depth, also inside functions.
+MAY_IMPORT = {
+    "fix": ("ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
+    "check": ("ckptdoctor.check", "ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
+    "selftest": ("ckptdoctor.selftest", "ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
+    "diagnose": ("ckptdoctor.diagnose", "ckptdoctor.errors", "ckptdoctor.ranks"),
+}
 
 
-@pytest.mark.parametrize("tool", ["selftest", "check"])
-def test_the_tools_a_user_runs_on_the_cluster_need_no_lab(tool):
-    """Read the sources (their imports are inside functions): ckptdoctor.selftest and
-    ckptdoctor.check import the fix, errors and themselves, never the lab or plotting."""
+def ckptdoctor_imports(package: str) -> dict[str, set[str]]:
+    """Every ckptdoctor module the package's files import, resolved to its absolute name -> the files."""
     import ast
     import importlib
     from pathlib import Path
 
-    package = importlib.import_module(f"ckptdoctor.{tool}")
-    for path in Path(package.__file__).parent.glob("*.py"):
+    root = Path(importlib.import_module("ckptdoctor").__file__).parent
+    found: dict[str, set[str]] = {}
+    for path in (root / package).rglob("*.py"):
+        parts = ("ckptdoctor",) + path.relative_to(root).with_suffix("").parts
+        here = parts[:-1]  # the package a relative import is resolved against
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level:
-                target = "." * node.level + (node.module or "")
-                assert not target.startswith(("..repro", "..simulate", "..diagnose")), f"{path.name} imports {target}"
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                assert not [n for n in names if n.split(".")[0] in TOOLS], f"{path.name} imports {names}"
-    loaded = modules_after("import ckptdoctor.selftest.run, ckptdoctor.selftest.roundtrip, ckptdoctor.selftest.checks")
-    assert not [m for m in loaded if m.startswith(LAB)]
+            if isinstance(node, ast.ImportFrom):
+                base = here[:len(here) - node.level + 1] if node.level else ()
+                names = [".".join(base + ((node.module,) if node.module else ()))]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name == "ckptdoctor" or name.startswith("ckptdoctor."):
+                    found.setdefault(name, set()).add(str(path.relative_to(root)))
+    return found
+
+
+@pytest.mark.parametrize("package", list(MAY_IMPORT))
+def test_each_product_package_imports_only_what_its_layer_allows(package):
+    """The fix imports only itself, errors and ranks; check and selftest (run on the cluster from
+    the wheel) add the fix; the log reader needs neither; none of them the lab or plotting."""
+    allowed = MAY_IMPORT[package]
+    imported = ckptdoctor_imports(package)
+    assert any(m.startswith(f"ckptdoctor.{package}") for m in imported)  # the resolver sees this package's own
+    wrong = {m: sorted(files) for m, files in imported.items()
+             if m != "ckptdoctor" and not any(m == a or m.startswith(a + ".") for a in allowed)}
+    assert wrong == {}

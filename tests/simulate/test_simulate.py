@@ -1,17 +1,13 @@
 """The simulator in one process: derivation by symmetry, cost laws, bad input."""
 
-import dataclasses
 import json
-import math
 import subprocess
 import sys
 
 import pytest
 
-from ckptdoctor.check.cost_model import _extrapolate_linear, _extrapolate_power
 from ckptdoctor.check.layout import Layout
 from ckptdoctor.check.mova_model import MovaShape
-from ckptdoctor.check.rank0 import measure_coordinator, validation_seconds_per_tensor
 from ckptdoctor.check.state_dicts import mova_specs
 from ckptdoctor.errors import BadLayout
 
@@ -50,59 +46,7 @@ def test_a_wrong_derivation_is_caught():
         leave_fake_world()
 
 
-def interleaved_best(measure, ns, repeats=3) -> dict:
-    """Best of `repeats` per N, taken round-robin over the Ns: a slow spell on two shared cores
-    (one CI run inflated every repeat at N=256 by 60 %) then hits all Ns, not one."""
-    best = {n: math.inf for n in ns}
-    for _ in range(repeats):
-        for n in ns:
-            best[n] = min(best[n], measure(n))
-    return best
-
-
-def test_quadratic_validation_law_predicts_an_unfitted_point_within_30_percent():
-    """N stays below the tensor's 5,120 rows: beyond that, ranks share empty chunks, dedup folds
-    them, and the chunk count (what the cost follows) stops being N."""
-    layout, shape = Layout.parse("fsdp"), (5120, 5120)
-    measured = interleaved_best(lambda n: validation_seconds_per_tensor(shape, n, layout), (256, 512, 1024), repeats=5)
-    predicted, exponent = _extrapolate_power({n: measured[n] for n in (256, 512)}, 1024)
-    assert exponent > 0.8  # grows with N at all (2.8: ~2, newer torch: ~1)
-    assert abs(predicted - measured[1024]) <= 0.3 * measured[1024], (measured, predicted)
-
-
-# Widths above the largest N: a dimension smaller than the shard group gives the extra ranks
-# the same empty chunk, which dedup folds into one, and the per-chunk work stops growing
-# (true for the tiny default widths; for MOVA's real widths only the audio tower, 1536 wide).
-WIDE = dataclasses.replace(MovaShape(), video_dim=64, video_ffn=128, audio_dim=64, audio_ffn=128, text_dim=64,
-                           latent_channels=64, freq_dim=64).with_layers(6)
-
-
-def test_linear_coordinator_law_predicts_an_unfitted_point_within_30_percent():
-    specs, layout = mova_specs(WIDE, "sft"), Layout.parse("fsdp")
-    try:
-        runs = interleaved_best(lambda n: sum(v for k, v in measure_coordinator("optimizer", specs, n, layout,
-                                                                                validation_sample=1).phase_s.items()
-                                              if k != "validate"), (8, 16, 32))
-    finally:
-        leave_fake_world()
-    predicted = _extrapolate_linear({8: runs[8], 16: runs[16]}, 32)
-    assert abs(predicted - runs[32]) <= 0.3 * runs[32], (runs, predicted)
-
-
-def test_ours_finish_law_linear_in_items_written_predicts_an_unfitted_point_within_30_percent():
-    """scaling._ours_at extrapolates ScalableSavePlanner's finish step in the items written."""
-    from ckptdoctor.check.rank0 import measure_planning_ours
-
-    specs, layout, ns = mova_specs(WIDE, "sft"), Layout.parse("fsdp"), (16, 32, 96)
-    try:
-        finish = interleaved_best(lambda n: sum(measure_coordinator("optimizer", specs, n, layout,
-                                                                    planner="ours").phase_s.values()), ns)
-        chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in ns}
-    finally:
-        leave_fake_world()
-    assert chunks[96] > 2 * chunks[32]
-    predicted = _extrapolate_linear({chunks[16]: finish[16], chunks[32]: finish[32]}, chunks[96])
-    assert abs(predicted - finish[96]) <= 0.3 * finish[96], (finish, chunks, predicted)
+# The cost model's laws against a measured, unfitted point (CPU-time laws) are benchmarks/cost_model_laws.py.
 
 
 def test_extrapolation_follows_the_line_and_never_lowers_a_peak():

@@ -21,7 +21,9 @@ What it changes, and nothing else:
   cannot derive (ranks hold different keys) is retried at once on the planner's owned path;
 * atomic publication (publish.py): everything is written to `<dir>.incomplete-<token>` and
   rank 0 renames it into place and marks it complete only when every DCP checkpoint in it has
-  its `.metadata`; the next successful commit removes what dead saves left beside it. With
+  its `.metadata`; the next successful commit removes what dead saves left beside it (dead: begun
+  before this ScalableCheckpointing was made, or failed in it; another job's later save is left
+  alone). With
   `publish="in_place"` (object-store mounts) nothing is renamed: written in place, marked last;
 * `latest()` runs on rank 0 and is broadcast: every rank resumes from the same step, the newest
   whose data files are whole, and every rank checks that it sees it complete (directory caching
@@ -121,6 +123,8 @@ class ScalableCheckpointing:
                  self.settings.describe())
         if self.settings.save_root is not None:
             self._rank0_decides("set aside incomplete steps", lambda: set_aside_dead_steps(Path(self.settings.save_root)))
+        # what this job may remove as dead saves' leftovers: saves begun before now, and its own failed ones
+        self._horizon, self._failed_tokens = new_token(), set()
 
     # -- publication ----------------------------------------------------------------------
     def begin(self, final_dir: str | os.PathLike) -> Path:
@@ -141,10 +145,12 @@ class ScalableCheckpointing:
         try:
             self._barrier("every rank wrote")
             save_root = None if self.settings.save_root is None else Path(self.settings.save_root)
-            verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened, save_root))
+            verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened, save_root, self._horizon,
+                                                                              self._failed_tokens))
             if verdict != "published":
                 raise CheckpointAborted(f"{staging} was not published: {verdict}")
         except BaseException:
+            self._failed_tokens.add(opened.token)
             self.heartbeat.stop(aborted=True)
             raise
         self.heartbeat.stop()
@@ -285,7 +291,9 @@ class ScalableCheckpointing:
         try:
             yield
         except BaseException:
-            self._open.pop(staging, None)
+            opened = self._open.pop(staging, None)
+            if opened is not None:
+                self._failed_tokens.add(opened.token)
             self.heartbeat.stop(aborted=True)
             raise
 
@@ -429,15 +437,17 @@ def why_step_incomplete(step: Path) -> str:
     return "; ".join(f"{sub.name}: {why_incomplete(sub)}" for sub in subs) or "nothing of a checkpoint in it"
 
 
-def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = None) -> str:
-    """Rank 0: publish, then remove what earlier saves left beside it, in the save root and in its
-    step directories (a failure there is logged: the step is published)."""
+def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = None, horizon: str | None = None,
+                     dead: set[str] = frozenset()) -> str:
+    """Rank 0: publish, then remove what dead saves left beside it, in the save root and in its
+    step directories (a failure there is logged: the step is published). Dead: begun before
+    `horizon` (default: this save's start) or listed in `dead` (publish.remove_leftovers)."""
     verdict = publish(staging, opened)
     if verdict != "published":
         return verdict
     for place in leftover_places(opened.final, save_root):
         try:
-            for leftover in remove_leftovers(place, opened.token):
+            for leftover in remove_leftovers(place, horizon or opened.token, dead):
                 log.info("ckptdoctor: removed %s, left by an earlier save", leftover)
         except OSError as error:
             log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", place, error)

@@ -272,28 +272,34 @@ LEFTOVER = re.compile(r"^(?P<name>.+?)(?P<kind>" + re.escape(INCOMPLETE) + "|" +
                       r")(?P<token>[0-9a-f]+)$")
 
 
-def remove_leftovers(root: Path, token: str) -> list[Path]:
-    """Rank 0, after the save `token` published into `root`: remove what earlier saves left
-    there. A staging directory of a save that started before this one is dead (one job saves
-    one step at a time; two jobs must not share a save root). A `.replaced-` copy goes only
-    when its step exists complete again; otherwise it is that step's only copy and stays. An
-    unmarked directory an in-place save claimed before this one started is dead too."""
-    started = token_time_ns(token)
+def remove_leftovers(root: Path, horizon: str, dead: frozenset[str] | set[str] = frozenset()) -> list[Path]:
+    """Rank 0, after a save published into `root`: remove what dead saves left there. A save is
+    dead when it started before `horizon` (the time this job's checkpointing began: a save of this
+    job's earlier run, or of anything before it) or its token is in `dead` (this job's own saves
+    that failed). A save that started later, and is not this job's, may be live (another job
+    sharing the save root) and is left alone. So are a `.replaced-` copy whose step is not complete
+    again (it is that step's only copy) and anything not named like our own leftovers. The dead
+    are: staging directories (`.incomplete-<token>`) and unmarked directories an in-place save
+    claimed (their WRITING file's token)."""
+    def is_dead(token: str) -> bool:
+        when, until = token_time_ns(token), token_time_ns(horizon)
+        return token in dead or (when is not None and until is not None and when < until)
+
     removed = []
     for entry in sorted(Path(root).iterdir()):
         match = LEFTOVER.match(entry.name)
-        if entry.is_dir() and _claimed_before(entry, started):
+        claimed = _claimed_by(entry) if entry.is_dir() else None
+        if claimed is not None and is_dead(claimed):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
             continue
         if not match or not entry.is_dir():
             continue
-        when = token_time_ns(match["token"])
         if match["kind"] == INCOMPLETE:
-            dead = when is not None and started is not None and when < started
+            gone = is_dead(match["token"])
         else:
-            dead = counts_as_checkpoint(entry.with_name(match["name"]))
-        if dead:
+            gone = counts_as_checkpoint(entry.with_name(match["name"]))
+        if gone:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
@@ -351,12 +357,11 @@ def _holds_a_checkpoint(step: Path) -> bool:
     return counts_as_checkpoint(step) or any(counts_as_checkpoint(sub) for sub in step.iterdir() if sub.is_dir())
 
 
-def _claimed_before(entry: Path, started: int | None) -> bool:
-    """`entry` holds an in-place save's WRITING file, no marker, and that save started before `started`."""
-    if (entry / COMPLETE_MARKER).exists() or started is None:
-        return False
+def _claimed_by(entry: Path) -> str | None:
+    """The token of the in-place save that claimed `entry` (its WRITING file) and did not mark it."""
+    if (entry / COMPLETE_MARKER).exists():
+        return None
     try:
-        when = token_time_ns(json.loads((entry / WRITING_MARKER).read_text())["token"])
+        return str(json.loads((entry / WRITING_MARKER).read_text())["token"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return when is not None and when < started
+        return None
