@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
@@ -220,7 +221,7 @@ def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_own
     assert [r["mode"] for r in saved] == ["owned"] * 4
     assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped ...
     only = {"plain": {"only_here": torch.zeros(3)}}
-    dcp.load(only, storage_reader=FileSystemReader(str(ours)))  # ... with its bytes (this process: no group)
+    torch.distributed.checkpoint.load(only, storage_reader=FileSystemReader(str(ours)))  # ... with its bytes
     assert torch.equal(only["plain"]["only_here"], torch.ones(3))
     assert all(len(files) == 1 for files in writers(ours).values())
     loaded = run(tmp_path, 2, "load", ours)
