@@ -624,3 +624,50 @@ def test_a_rank_whose_settings_differ_stops_every_rank_at_construction_naming_it
         "publish='in_place' (rank 0: 'rename') (set the same CKPTDOCTOR_* variables and keywords on every node); "
         "nothing was written"}
     assert all(r["written"] == [] for r in reports.values())
+
+
+def test_an_in_place_save_a_dead_job_left_is_removed_and_a_live_ones_is_not(tmp_path):
+    """In place, a step being written is the step itself: removing the wrong one deletes data.
+    Dead: claimed (WRITING, no marker) before this job's checkpointing began, or by a save of this
+    job that failed. A save claimed later is another job's, maybe live; a marked step is a step."""
+    from ckptdoctor.fix.publish import remove_leftovers
+
+    def claimed(name, token, marked=False):
+        directory = tmp_path / name
+        dcp_dir(directory / "accelerator" / "optimizer_0")
+        (directory / WRITING_MARKER).write_text(json.dumps({"token": token}))
+        if marked:
+            (directory / COMPLETE_MARKER).write_text(json.dumps({"token": token, "dcp_checkpoints": []}))
+        return directory
+
+    before, failed_here = new_token(), new_token()
+    dead = claimed("step-100", before)
+    horizon = new_token()
+    ours_failed = claimed("step-200", failed_here)  # began before the horizon too, but named as failed: gone anyway
+    live = claimed("step-300", new_token())  # another job's, begun after this job's checkpointing began
+    marked = claimed("step-50", before, marked=True)
+    assert sorted(p.name for p in remove_leftovers(tmp_path, horizon, {failed_here})) == ["step-100", "step-200"]
+    assert not dead.exists() and not ours_failed.exists() and live.exists() and marked.exists()
+    assert (live / "accelerator" / "optimizer_0" / ".metadata").is_file()
+
+
+@pytest.mark.slow
+def test_a_save_rank_0_cannot_derive_is_retried_on_the_owned_path_published_and_loaded_back(tmp_path):
+    """ScalableCheckpointing's retry (the planner alone refuses with NotDerivable): rank 1's model
+    holds a key the others do not. Stock saves it; so must the fix, by itself, with one warning."""
+    result, reports, out = checkpoint_job(tmp_path, "differ", target=1)
+    assert result.returncodes == [0] * 4 and {r["status"] for r in reports.values()} == {"ok"}, reports
+    assert all(r["state_is_the_saved_one"] for r in reports.values())  # rank 1's extra key, bit for bit
+    step = out / "ckpt" / "step-1" / "accelerator"
+    assert is_complete(step)
+    log = (out / "job.log").read_text()
+    assert log.count("rank 0 could not derive this save's metadata (") == 4  # each rank, once: the model save only
+    assert "rank 1 holds a different state dict structure" in log
+
+
+@pytest.mark.slow
+def test_a_planner_other_than_accelerates_is_refused_on_every_rank_and_nothing_is_published(tmp_path):
+    result, reports, out = checkpoint_job(tmp_path, "planner")
+    assert_the_same_abort_on_every_rank_within_seconds(
+        result, reports, "Accelerate passed a OwnPlanner; ckptdoctor replaces only DefaultSavePlanner")
+    assert find_latest(out / "ckpt", "accelerator") is None and not (out / "ckpt" / "step-1" / "accelerator").exists()

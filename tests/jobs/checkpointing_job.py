@@ -9,6 +9,9 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     none         one save, published
     installed    ckptdoctor.install(accelerator), then the accelerator's own save_state and load_state
     double       both integrations on one Accelerator, in each order (install first; ScalableCheckpointing first)
+    differ       rank RANK's model holds a key the others do not: rank 0 cannot derive the save, which is
+                 retried on the owned path; then loaded back
+    planner      the accelerator passes its own SavePlanner subclass: refused, nothing published
     settings     rank RANK's environment says CKPTDOCTOR_PUBLISH=in_place, the others' rename
     sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished
     exit         rank RANK exits (os._exit) in its local plan
@@ -57,13 +60,14 @@ class StandInAccelerator:
         self.model = {"w": distribute_tensor(torch.arange(40.0).reshape(8, 5), mesh, [Shard(0)]), "b": torch.ones(3)}
         self.optim = {"state": {"w": {"step": torch.tensor(2.0)}}, "param_groups": [{"lr": 1e-4}]}
         self.save = BOUND_SAVE if bound else None
+        self.planner = None  # Accelerate passes DefaultSavePlanner(); a subclass is another planner
 
     def save_state(self, output_dir: str) -> None:
         save = self.save or dcp.save  # looked up at call time, as Accelerate does
         for name, state in (("pytorch_model_fsdp_0", {"model": self.model}), ("optimizer_0", {"optimizer": self.optim})):
             ckpt = Path(output_dir) / name
             ckpt.mkdir(parents=True, exist_ok=True)
-            save(state_dict=state, storage_writer=FileSystemWriter(ckpt), planner=DefaultSavePlanner())
+            save(state_dict=state, storage_writer=FileSystemWriter(ckpt), planner=self.planner or DefaultSavePlanner())
         with open(Path(output_dir) / f"random_states_{dist.get_rank()}.pkl", "wb") as f:
             pickle.dump({"seed": 1}, f)
 
@@ -81,6 +85,10 @@ class StandInAccelerator:
         expected = StandInAccelerator().model
         return torch.equal(self.model["w"].to_local(), expected["w"].to_local()) and \
             torch.equal(self.model["b"], expected["b"]) and self.optim["state"]["w"]["step"].item() == 2.0
+
+
+class OwnPlanner(DefaultSavePlanner):
+    """A planner of a trainer's own (a subclass): its save would not be the fix's."""
 
 
 def damage(state_dir: Path, problem: str) -> None:
@@ -237,6 +245,19 @@ def main() -> int:
                 accelerator.save_state()
             except Exception as error:  # noqa: BLE001 - the one line is the test's subject
                 report["no_dir"] = f"{type(error).__name__}: {error}"
+        elif fault == "differ":
+            if rank == target:
+                accelerator.model["only_here"] = torch.full((2,), 7.0)
+            step = root / "step-1" / "accelerator"
+            report["published"] = str(ckpt.save_state(step))
+            if rank == target:
+                accelerator.model["only_here"].zero_()
+            ckpt.load_state(step)
+            report["state_is_the_saved_one"] = accelerator.state_is_the_saved_one() and (
+                rank != target or torch.equal(accelerator.model["only_here"], torch.full((2,), 7.0)))
+        elif fault == "planner":
+            accelerator.planner = OwnPlanner()
+            report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
         elif fault.startswith("load-"):
             save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
         else:
