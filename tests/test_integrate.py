@@ -121,3 +121,48 @@ def test_a_second_accelerators_model_is_not_taken_for_the_main_one(tmp_path, sou
     with pytest.raises(CannotIntegrate, match=re.escape(line)):
         integrate(path)
     assert path.read_text() == before
+
+
+def test_a_file_without_a_prepare_or_that_does_not_parse_is_one_line_and_unchanged(tmp_path):
+    none = write(tmp_path, "def main(model):\n    return model\n", "plain.py")
+    with pytest.raises(CannotIntegrate, match=r"^.*plain\.py: no `\.\.\. model \.\.\. = <accelerator>\.prepare\(\.\.\.\)` "
+                                              r"statement found; add the two lines by hand"):
+        integrate(none)
+    broken = write(tmp_path, "def main(:\n", "broken.py")
+    with pytest.raises(CannotIntegrate, match=r"broken\.py:1: not valid Python \(.*\); nothing changed$"):
+        integrate(broken)
+    assert none.read_text() == "def main(model):\n    return model\n" and broken.read_text() == "def main(:\n"
+
+
+def test_check_only_says_where_and_changes_nothing(tmp_path):
+    path = write(tmp_path, CLASS_TRAINER.format(before="self.save_path = save_path", after="pass"))
+    before = path.read_bytes()
+    placed = integrate(path, check_only=True)
+    assert path.read_bytes() == before and placed.inserted_at == 14 and placed.prepare_lines == (12, 12)
+
+
+def test_crlf_line_ends_and_the_file_mode_are_kept(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "trainer.py"
+    path.write_bytes(textwrap.dedent(CLASS_TRAINER.format(before="self.save_path = save_path", after="pass"))
+                     .replace("\n", "\r\n").encode())
+    os.chmod(path, 0o750)
+    integrate(path)
+    data = path.read_bytes()
+    assert data.count(b"\n") == data.count(b"\r\n")  # every line, the two inserted included
+    assert b"ckptdoctor.install(self.accelerator, save_root=self.save_path)\r\n" in data
+    assert stat.S_IMODE(path.stat().st_mode) == 0o750
+
+
+def test_a_result_that_would_not_follow_the_prepare_is_refused(tmp_path, monkeypatch):
+    """_verify: the inserted call must be the statement right after the prepare, by the syntax tree."""
+    from ckptdoctor import integrate as integration
+
+    path = write(tmp_path, CLASS_TRAINER.format(before="self.save_path = save_path", after="pass"))
+    before = path.read_text()
+    monkeypatch.setattr(integration, "_indent", lambda line: "    ")  # INJECTED: the call lands in the class body
+    with pytest.raises(CannotIntegrate, match="the inserted call would not directly follow the prepare at line 12"):
+        integrate(path)
+    assert path.read_text() == before

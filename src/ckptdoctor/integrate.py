@@ -241,7 +241,8 @@ def integrate(path: str | os.PathLike, check_only: bool = False) -> Placement:
     CannotIntegrate with one line when it cannot place them with certainty."""
     path = Path(path)
     try:
-        source = path.read_text()
+        with open(path, newline="") as f:  # line ends as they are (CRLF kept)
+            source = f.read()
     except OSError as error:
         raise CannotIntegrate(f"{path}: {error.strerror or error}") from None
     tree = _parse(path, source)
@@ -306,6 +307,7 @@ def _indent(line: str) -> str:
 
 def _replace(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.ckptdoctor-tmp")
-    tmp.write_text(text)
+    with open(tmp, "w", newline="") as f:
+        f.write(text)
     os.chmod(tmp, path.stat().st_mode & 0o7777)
     os.replace(tmp, path)
