@@ -10,7 +10,7 @@ import tracemalloc
 import pytest
 
 from ckptdoctor.diagnose.logs import diagnose
-from ckptdoctor.diagnose.scan import scan
+from ckptdoctor.diagnose.scan import BLOCK, scan
 
 SP = "/usr/local/lib/python3.11/site-packages"
 SAVE_OPTIM_28 = [
@@ -221,3 +221,53 @@ def test_cli_json_and_missing_file(tmp_path, user_report_text):
     proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "nope.log")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "no such log file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_concatenated_gzip_is_read_member_by_member(tmp_path, user_report_text):
+    """`cat a.gz b.gz > ab.gz` (rotated logs joined): the report sits in the second member."""
+    path = tmp_path / "joined.log.gz"
+    path.write_bytes(gzip.compress(b"[rank0]: step 1 loss 0.5\n" * 1000) + gzip.compress(user_report_text.encode()))
+    report = diagnose([path])
+    assert report["error"] == "gloo-timeout" and report["ranks"] == [1136, 1139] and not report.truncated
+
+
+def test_a_corrupt_gzip_is_read_up_to_the_damage_and_said(tmp_path, user_report_text):
+    path = tmp_path / "log.gz"
+    # INJECTED: bytes that are no gzip member after a whole one (a log with junk written after it)
+    path.write_bytes(gzip.compress((user_report_text + "\n").encode()) + b"\x00\xffnot a gzip member" * 10)
+    report = diagnose([path])
+    assert report["error"] == "gloo-timeout" and report["ranks"] == [1136, 1139]
+    assert len(report.truncated) == 1 and "corrupt gzip" in report.truncated[0]
+
+
+def test_a_directory_with_no_log_files_is_one_line_of_bad_input(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "diagnose", str(tmp_path / "empty")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "is a directory with no log files in it" in proc.stderr
+
+
+@pytest.mark.parametrize("at", [BLOCK - 40, BLOCK - 5, BLOCK + 3])
+def test_a_finding_across_the_block_boundary_is_found_whole(tmp_path, at):
+    """The timeout line placed so that it starts just before, or straddles, the 1 MiB block edge."""
+    error = f"[rank5]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out " \
+            f"waiting 1800000ms for recv operation to complete"
+    head = "\n".join(traceback_lines(5, SAVE_OPTIM_28, "")[:-1]) + "\n"
+    filler = "x" * (at - len(head) - 1) + "\n"
+    path = tmp_path / "log"
+    path.write_text(head + filler + error + "\n")
+    assert path.read_text().index("Timed out") - (at - len(head) - 1) > 0
+    report = diagnose([path])
+    assert report["timeout_ms"] == 1_800_000 and report["ranks"] == [5]
+
+
+def test_one_line_of_many_megabytes_is_read_in_bounded_memory(tmp_path, user_report_text):
+    path = tmp_path / "one-line.log"
+    one = user_report_text.replace("\n", " ")
+    path.write_text(("x" * 997 + " ") * 8_000 + one + " " + ("y" * 997 + " ") * 8_000)  # ~16 MB, no newline
+    tracemalloc.start()
+    report = diagnose([path])
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert report["error"] == "gloo-timeout" and report["ranks"] == [1136, 1139]
+    assert peak < 20_000_000, peak
