@@ -271,7 +271,7 @@ def checkpoint_job(tmp_path, fault, target=-1, world=4, **launch_kwargs):
     out.mkdir(exist_ok=True)
     env = {**KNOBS, **launch_kwargs.pop("env", {})}  # the job passes no keyword: the environment tunes it
     result = launch([str(JOBS / "checkpointing_job.py"), str(out), fault, str(target)], world, out / "job.log",
-                    timeout_s=300, env=env, **launch_kwargs)
+                    timeout_s=launch_kwargs.pop("timeout_s", 300), env=env, **launch_kwargs)
     reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     return result, {r["rank"]: r for r in reports}, out
 
@@ -671,3 +671,19 @@ def test_a_planner_other_than_accelerates_is_refused_on_every_rank_and_nothing_i
     assert_the_same_abort_on_every_rank_within_seconds(
         result, reports, "Accelerate passed a OwnPlanner; ckptdoctor replaces only DefaultSavePlanner")
     assert find_latest(out / "ckpt", "accelerator") is None and not (out / "ckpt" / "step-1" / "accelerator").exists()
+
+
+@pytest.mark.slow
+def test_on_lost_rank_log_names_the_frozen_rank_and_leaves_the_wait_to_the_group_timeout(tmp_path):
+    """CKPTDOCTOR_ON_LOST_RANK=log: the verdict is logged, nobody exits 75, and the survivors end at
+    the checkpoint group's own timeout (20 s here), each with its own failure, nothing published."""
+    from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
+
+    result, reports, out = checkpoint_job(tmp_path, "sigstop", target=2, grace_s=5, timeout_s=60, env={
+        "CKPTDOCTOR_ON_LOST_RANK": "log", "CKPTDOCTOR_GROUP_TIMEOUT_S": "20"})  # then the frozen one is killed
+    survivors = [r for r in range(4) if r != 2]
+    assert EXIT_LOST_RANK not in result.returncodes and [result.returncodes[r] for r in survivors] == [0] * 3
+    log = (out / "job.log").read_text()
+    assert "rank(s) 2 stopped answering for 6 s; the checkpoint cannot finish" in log
+    assert {reports[r]["status"] for r in survivors} == {"failed"} and 2 not in reports
+    assert find_latest(out / "ckpt", "accelerator") is None
