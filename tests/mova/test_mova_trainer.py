@@ -229,14 +229,29 @@ def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resu
     assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]
 
 
+@pytest.fixture(scope="module")
+def level1_killed(mova_copies, tmp_path_factory):
+    """Level 1 (install), a rank killed in step-8's optimizer save, run once per mode: the
+    kill-then-restart test resumes it, and its step-4 holds LoRA adapters exported by MOVA's own
+    code (get_state_dict: level 1 leaves MOVA's export as it is), the LoRA test's reference."""
+    runs = {}
+
+    def killed(mode):
+        if mode not in runs:
+            fault = {"kind": "exit", "rank": 3, "save": "optimizer_0", "call": 2}  # in step-8's optimizer save
+            runs[mode] = mova_job(mova_copies["minimal"], tmp_path_factory.mktemp(f"level1-{mode}"), mode, 8,
+                                  fault=fault)
+        return runs[mode]
+    return killed
+
+
 @pytest.mark.parametrize("mode", ["sft", "lora"])
 def test_level1_after_a_rank_killed_mid_save_a_restart_resumes_the_newest_complete_step_bit_exactly(
-        mode, mova_copies, straight, tmp_path):
+        mode, mova_copies, straight, level1_killed, tmp_path):
     """The minimal integration (`ckptdoctor integrate`: install after prepare, save_root read from
     MOVA's code) publishes only `step-N/accelerator`; MOVA's own scan picks the newest `step-N`.
     Without the set-aside, every restart stopped on the dead step-8 (load_state refused it)."""
-    fault = {"kind": "exit", "rank": 3, "save": "optimizer_0", "call": 2}  # in step-8's optimizer save
-    killed = mova_job(mova_copies["minimal"], tmp_path / "killed", mode, 8, fault=fault)
+    killed = level1_killed(mode)
     assert killed.returncode != 0
     save_path = killed.save_path
     dead = save_path / "step-8"  # as MOVA leaves it: its own files, then a save_state that died
@@ -255,15 +270,14 @@ def test_level1_after_a_rank_killed_mid_save_a_restart_resumes_the_newest_comple
 
 
 def test_lora_resume_takes_every_piece_from_one_step_and_repeats_the_uninterrupted_losses(
-        mova_copies, straight, tmp_path):
+        mova_copies, straight, level1_killed, tmp_path):
     first = mova_job(mova_copies["patched"], tmp_path / "first", "lora", 4)
     assert first.returncode == 0, first.log_path.read_text()[-3000:]
     step4 = first.save_path / "step-4"
     assert torch.load(step4 / "trainer_state.pt")["global_step"] == 4
-    # the same 4 steps by unpatched MOVA, whose LoRA export gathers the whole model (get_state_dict)
-    stock = mova_job(mova_copies["stock"], tmp_path / "stock", "lora", 4)
-    assert stock.returncode == 0, stock.log_path.read_text()[-3000:]
-    ours, theirs = torch.load(step4 / "lora_weights.pt"), torch.load(stock.save_path / "step-4" / "lora_weights.pt")
+    # the same 4 steps exported by MOVA's own code, which gathers the whole model (get_state_dict)
+    stock = level1_killed("lora").save_path / "step-4" / "lora_weights.pt"
+    ours, theirs = torch.load(step4 / "lora_weights.pt"), torch.load(stock)
     assert ours.keys() == theirs.keys() and len(ours) > 0
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # gathered adapter by adapter, bit for bit
     resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "lora", 8, save_path=first.save_path)
