@@ -4,7 +4,6 @@
 import json
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, WRITI
 from ckptdoctor.fix.storage import ScalableFileSystemWriter
 
 from support.faults import small_tmpfs
+from support.polling import wait_for
 from support.paths import JOBS
 
 
@@ -422,15 +422,6 @@ def test_a_job_never_takes_a_save_begun_after_its_own_start_for_a_dead_ones_left
         {"a": ["ok", "ok"], "b": ["ok", "ok"]}, {n: [r.get("error") for r in rs] for n, rs in reports.items()}
     step = shared / "step-1" / "accelerator"
     assert is_complete(step) and [p.name for p in step.parent.iterdir()] == ["accelerator"]  # A's, nothing else
-
-
-def wait_for(condition, within_s: float) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def assert_the_same_abort_on_every_rank_within_seconds(result, reports, fragment):

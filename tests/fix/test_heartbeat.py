@@ -11,6 +11,8 @@ from torch.distributed import PrefixStore, TCPStore
 
 from ckptdoctor.fix.heartbeat import ProcessBeat, process_state
 
+from support.polling import wait_for
+
 
 @pytest.fixture
 def store():
@@ -20,15 +22,6 @@ def store():
 
 def seq(store, key) -> int:
     return int(store.get(key).decode().split(":p")[1])
-
-
-def wait_for(condition, within_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + within_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def hold_the_gil(seconds: float) -> None:
