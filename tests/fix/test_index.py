@@ -161,3 +161,19 @@ def test_a_stock_resave_in_the_same_second_on_a_coarse_timestamp_filesystem_is_r
         dcp.load(stock, storage_reader=FileSystemReader(ckpt))
         assert torch.equal(stock["a"], torch.full((4,), 3.0)) and torch.equal(stock["b"], torch.full((4,), 4.0))
         assert all(torch.equal(ours[k], stock[k]) for k in "ab")
+
+
+def test_a_metadata_whose_storage_index_lacks_chunks_or_names_a_stranger_is_corrupt(tmp_path):
+    """A `.metadata` a stock writer left inconsistent (a chunk listed with no storage row, or a
+    storage row for a key it does not list) is one clear error, never an index with holes."""
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    stock = indexed_checkpoint(tmp_path)
+    lacking = dict(stock.storage_data)
+    lacking.pop(next(iter(lacking)))
+    with pytest.raises(CorruptCheckpoint, match=r"^1 listed chunk\(s\) have no storage entry$"):
+        columns_from_storage_data(Metadata(stock.state_dict_metadata, storage_data=lacking))
+    index, info = next(iter(stock.storage_data.items()))
+    stranger = dict(stock.storage_data) | {MetadataIndex("not_listed", index.offset, index.index): info}
+    with pytest.raises(CorruptCheckpoint, match="the storage index names not_listed, which the metadata does not list"):
+        columns_from_storage_data(Metadata(stock.state_dict_metadata, storage_data=stranger))

@@ -21,7 +21,7 @@ from ckptdoctor.fix.planner import assign_plain_items, coverage_problems, valida
 from ckptdoctor.fix.storage import ScalableFileSystemReader
 from ckptdoctor.repro.launcher import launch
 
-from support.fake_ranks import random_state_dicts, saved_as_every_rank
+from support.fake_ranks import planned_as_every_rank, random_state_dicts, saved_as_every_rank
 from support.metadata import describe_metadata, listed_items, written_items
 from support.paths import JOBS
 
@@ -272,3 +272,46 @@ def test_replicas_that_differ_are_refused_by_name_when_asked_and_one_copy_kept_o
     assert not (tmp_path / "checked" / ".metadata").exists()
     saved = run(tmp_path, 4, "save", tmp_path / "unchecked", "ours+writer", env={"DIFFER_ON_RANK": "2"})
     assert all("failed" not in r for r in saved)  # as stock: one rank's copy, unchecked
+
+
+# -- the planner's refusals, one process (torch's fake process group) -------------------------------
+
+CASE = (2, (2,), [((4, 4), (0,))], [(3,)], [])  # 2 ranks, fsdp: a sharded DTensor and one plain tensor
+
+
+def planned():
+    """(planner, local plan) of both ranks of CASE, as DCP leaves them before the plan gather."""
+    from ckptdoctor.fix.planner import ScalableSavePlanner
+
+    return [(planner, plan) for _, planner, plan in planned_as_every_rank(CASE, ScalableSavePlanner)]
+
+
+def test_a_rank_using_another_planner_is_refused_by_rank_0_before_anything_is_written():
+    from ckptdoctor.fix.planner import NotDerivable
+
+    (planner0, plan0), (_, plan1) = planned()
+    stock = SavePlan(plan1.items)  # what DefaultSavePlanner sends: no handshake
+    with pytest.raises(NotDerivable, match="every rank of this save must use ScalableSavePlanner"):
+        planner0.create_global_plan([plan0, stock])
+
+
+def test_two_ranks_reporting_one_global_rank_are_refused():
+    import dataclasses
+
+    from ckptdoctor.fix.planner import NotDerivable
+
+    (planner0, plan0), (_, plan1) = planned()
+    twin = SavePlan(plan1.items, planner_data=dataclasses.replace(plan1.planner_data,
+                                                                  global_rank=plan0.planner_data.global_rank))
+    with pytest.raises(NotDerivable, match="two ranks of this save report the same global rank"):
+        planner0.create_global_plan([plan0, twin])
+
+
+def test_a_final_plan_that_is_not_rank_0s_assignment_or_names_an_item_the_rank_lacks_is_refused():
+    from ckptdoctor.fix.planner import Assignment, NotDerivable
+
+    (planner0, plan0), (planner1, plan1) = planned()
+    with pytest.raises(NotDerivable, match="the plan rank 0 sent is not ScalableSavePlanner's"):
+        planner1.finish_plan(SavePlan([]))
+    with pytest.raises(NotDerivable, match=r"rank 0 assigned this rank 1 plain item\(s\) it does not hold"):
+        planner1.finish_plan(SavePlan([], planner_data=Assignment("derived", plain_keys=("p0", "not_here"))))
