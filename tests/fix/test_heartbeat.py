@@ -53,19 +53,24 @@ def test_the_child_posts_while_the_main_thread_holds_the_gil_and_stops_when_told
     assert seq(store, "beat/0") == last and beat.pid is None  # stopped means no more posts
 
 
+def rank_process(store, tmp_path, key: str, before: str = "") -> tuple[subprocess.Popen, int]:
+    """A real process standing for a rank: runs `before`, starts a ProcessBeat posting `key` on
+    the test's store, and idles. Returns it and its child's pid."""
+    script = tmp_path / f"rank-{key.replace('/', '-')}.py"
+    script.write_text(
+        "import os, signal, time\nfrom torch.distributed import PrefixStore, TCPStore\n"
+        "from ckptdoctor.fix.heartbeat import ProcessBeat\n" + before +
+        f"store = PrefixStore('ckptdoctor-test', TCPStore('127.0.0.1', {store.underlying_store.port}, "
+        f"is_master=False))\nbeat = ProcessBeat(store, {key!r}, interval_s=0.1)\nbeat.start()\n"
+        "print(beat.pid, flush=True)\ntime.sleep(60)\n")
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    return process, int(process.stdout.readline())
+
+
 def test_the_child_leaves_when_its_parent_is_stopped_and_when_it_is_gone(store, tmp_path):
     """The parent is a real process that starts the child, then is frozen with SIGSTOP."""
-    port = store.underlying_store.port
-    script = tmp_path / "parent.py"
-    script.write_text(
-        "import time\nfrom torch.distributed import PrefixStore, TCPStore\n"
-        "from ckptdoctor.fix.heartbeat import ProcessBeat\n"
-        f"store = PrefixStore('ckptdoctor-test', TCPStore('127.0.0.1', {port}, is_master=False))\n"
-        "beat = ProcessBeat(store, 'beat/1', interval_s=0.1)\nbeat.start()\n"
-        "print(beat.pid, flush=True)\ntime.sleep(60)\n")
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    parent, child = rank_process(store, tmp_path, "beat/1")
     try:
-        child = int(parent.stdout.readline())
         assert wait_for(lambda: store.check(["beat/1"]))
         assert process_state(child) in ("S", "R") and seq(store, "beat/1") > 0
         os.kill(parent.pid, signal.SIGSTOP)
@@ -93,19 +98,10 @@ def test_the_child_runs_none_of_the_trainers_signal_handlers(store, tmp_path):
     """A launcher's SIGTERM to the process group reaches the child too. The trainer's handler
     (here: it writes its pid to a file, as a report or an emergency save would write) must run
     in the trainer only; the child takes SIGTERM's default action and is gone."""
-    port = store.underlying_store.port
-    script = tmp_path / "trainer.py"
     ran = tmp_path / "handler-ran-in"
-    script.write_text(
-        "import os, signal, time\nfrom torch.distributed import PrefixStore, TCPStore\n"
-        "from ckptdoctor.fix.heartbeat import ProcessBeat\n"
-        f"signal.signal(signal.SIGTERM, lambda *a: open({str(ran)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"
-        f"store = PrefixStore('ckptdoctor-test', TCPStore('127.0.0.1', {port}, is_master=False))\n"
-        "beat = ProcessBeat(store, 'beat/3', interval_s=0.1)\nbeat.start()\n"
-        "print(beat.pid, flush=True)\ntime.sleep(60)\n")
-    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    trainer, child = rank_process(store, tmp_path, "beat/3", before=(
+        f"signal.signal(signal.SIGTERM, lambda *a: open({str(ran)!r}, 'a').write(f'{{os.getpid()}}\\n'))\n"))
     try:
-        child = int(trainer.stdout.readline())
         assert wait_for(lambda: store.check(["beat/3"]))  # the child is up and posting
         os.kill(child, signal.SIGTERM)
         assert wait_for(lambda: process_state(child) in ("Z", None))
