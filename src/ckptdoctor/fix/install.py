@@ -34,7 +34,6 @@ import os
 
 from ..errors import CkptDoctorError
 
-ATTRIBUTE = "_ckptdoctor_checkpointing"
 log = logging.getLogger("ckptdoctor.install")
 
 
@@ -42,11 +41,11 @@ def install(accelerator, **settings):
     """Every rank, after `accelerator.prepare(...)`: route this Accelerator's save_state and
     load_state through a new ScalableCheckpointing (`settings`: its keywords, e.g. timeout_s;
     unset ones come from CKPTDOCTOR_* variables). Returns it."""
-    from .checkpointing import ScalableCheckpointing
+    from .checkpointing import OWNER, ScalableCheckpointing
 
-    existing = getattr(accelerator, ATTRIBUTE, None)
-    if existing is not None:
-        return existing
+    existing = getattr(accelerator, OWNER, None)
+    if existing is not None and existing.integration == "install":
+        return existing  # a second install; a ScalableCheckpointing of another kind is refused just below
     ckpt = ScalableCheckpointing(accelerator, integration="install", **settings)
     if ckpt.settings.save_root is None and ckpt.rank == 0:
         log.warning("ckptdoctor.install: no save_root given (keyword or CKPTDOCTOR_SAVE_ROOT): if a save dies, the "
@@ -66,5 +65,4 @@ def install(accelerator, **settings):
         ckpt.load_state(input_dir, **kwargs)
 
     accelerator.save_state, accelerator.load_state = save_state, load_state
-    setattr(accelerator, ATTRIBUTE, ckpt)
     return ckpt
