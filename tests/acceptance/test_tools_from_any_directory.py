@@ -69,7 +69,7 @@ def test_check_warns_names_the_fix_and_writes_a_relative_json(cwd, torch_version
     where, out = cwd
     # from the checkout root the stack is named; elsewhere no --torch: the torch installed here, as in an image
     named = ["--torch", torch_version] if where == REPO else []
-    proc = run([CKPTDOCTOR, "check", "--ranks", "16", "--layout", "hsdp:8", *named,
+    proc = run([CKPTDOCTOR, "check", "--ranks", "16", "--layout", "hsdp:8", "--mode", "lora", *named,
                 "--deadline", "1", "--warn-fraction", "0.1", "--json", str(out / "check.json")], where)
     assert proc.returncode == 3, proc.stderr
     result = json.loads((where / out / "check.json").read_text())

@@ -10,7 +10,7 @@ import pytest
 from ckptdoctor.fix.index import INDEX_NAME, read_metadata_file, write_index
 
 from test_checkpointing import checkpoint_job
-from test_planner import run
+from test_planner import run, saves
 
 pytestmark = pytest.mark.slow
 
@@ -20,9 +20,7 @@ def saved(tmp_path_factory):
     """One checkpoint per writer, saved by 4 ranks: ours (with its index), stock (without), and the
     same stock checkpoint with an index written afterwards, as load_state does for it."""
     root = tmp_path_factory.mktemp("saved")
-    run(root, 4, "save", root / "ours", "ours+writer")
-    run(root, 4, "save", root / "stock", "stock")
-    run(root, 4, "save", root / "stock-indexed", "stock")
+    saves(root, 4, {root / "ours": "ours+writer", root / "stock": "stock", root / "stock-indexed": "stock"})
     write_index(root / "stock-indexed", read_metadata_file(root / "stock-indexed"))
     return root
 
@@ -36,16 +34,19 @@ def test_loads_bit_exactly_with_stocks_read_plan_at_any_world_size(saved, tmp_pa
     assert all(r["items_read"] > 0 for r in reports)
 
 
-def load_job(tmp_path, problem):
-    result, reports, out = checkpoint_job(tmp_path, f"load-{problem}")
+@pytest.fixture(scope="module")
+def loads(tmp_path_factory):
+    """One 4-rank job loads every problem in turn (the job's LOAD_PROBLEMS), each in its own root."""
+    result, reports, _ = checkpoint_job(tmp_path_factory.mktemp("loads"), "loads")
     assert result.returncodes == [0] * 4 and result.torn_down == [], "every rank ends on its own"
-    return reports, out / "ckpt" / "step-1" / "accelerator"
+    assert {r["status"] for r in reports.values()} == {"ok"}, reports[0].get("error")
+    return {problem: {rank: r["loads"][problem] for rank, r in reports.items()} for problem in reports[0]["loads"]}
 
 
 @pytest.mark.parametrize("problem", ["none", "stock", "empty-index"])
-def test_load_state_reads_its_own_and_stocks_checkpoints_back(tmp_path, problem):
+def test_load_state_reads_its_own_and_stocks_checkpoints_back(loads, problem):
     """"empty-index": the index is derived data; an empty one is rebuilt, never a refusal."""
-    reports, state_dir = load_job(tmp_path, problem)
+    reports = loads[problem]
     assert {r["status"] for r in reports.values()} == {"ok"}, reports[0].get("error")
     assert all(r["state_is_the_saved_one"] for r in reports.values())
     assert reports[0]["indexed"] == ["optimizer_0", "pytorch_model_fsdp_0"]  # a stock checkpoint: indexed at load
@@ -59,8 +60,8 @@ def test_load_state_reads_its_own_and_stocks_checkpoints_back(tmp_path, problem)
                  r"complete checkpoint"),
     ("extra-key", r"loading .* failed on rank\(s\) 0, 1, 2, 3: Missing key in checkpoint state_dict: model\.extra"),
 ])
-def test_a_damaged_checkpoint_is_refused_on_every_rank_in_one_line_naming_it(tmp_path, problem, line):
-    reports, _ = load_job(tmp_path, problem)
+def test_a_damaged_checkpoint_is_refused_on_every_rank_in_one_line_naming_it(loads, problem, line):
+    reports = loads[problem]
     assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}
     assert len({r["error"] for r in reports.values()}) == 1  # the same line on every rank
     for report in reports.values():

@@ -132,6 +132,13 @@ def run(tmp_path: Path, world: int, *args, env=None) -> list[dict]:
     return [json.loads(Path(f"{args[1]}.{args[0]}.rank{r}.json").read_text()) for r in range(world)]
 
 
+def saves(tmp_path: Path, world: int, planners: dict, env=None) -> dict[Path, list[dict]]:
+    """One launch saves the same state into each directory with its planner, in order; each one's reports."""
+    run(tmp_path, world, "save", *[part for path, how in planners.items() for part in (path, how)], env=env)
+    return {path: [json.loads(Path(f"{path}.save.rank{r}.json").read_text()) for r in range(world)]
+            for path in planners}
+
+
 def described(path: Path) -> dict:
     return describe_metadata(FileSystemReader(str(path)).read_metadata())
 
@@ -169,10 +176,9 @@ def writers(path: Path) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(tmp_path):
     ours, stock, resaved = tmp_path / "ours", tmp_path / "stock", tmp_path / "resaved"
-    saved = run(tmp_path, 8, "save", ours, "ours+writer")
-    run(tmp_path, 8, "save", stock, "stock")
-    owned = run(tmp_path, 8, "save", tmp_path / "owned", "ours-owned")
-    stock_writer = run(tmp_path, 8, "save", tmp_path / "stock-writer", "ours")
+    reports = saves(tmp_path, 8, {ours: "ours+writer", stock: "stock", tmp_path / "owned": "ours-owned",
+                                  tmp_path / "stock-writer": "ours"})
+    saved, owned, stock_writer = reports[ours], reports[tmp_path / "owned"], reports[tmp_path / "stock-writer"]
     assert [r["mode"] for r in saved] == ["derived"] * 8  # rank 0 described every rank's chunks alone
     assert [r["mode"] for r in owned] == ["owned"] * 8
     assert described(ours) == described(stock) == described(tmp_path / "owned")
@@ -198,8 +204,8 @@ def test_same_checkpoint_as_stock_each_item_written_once_and_it_reshards_8_4_8(t
 def test_the_broadcast_back_is_slim_after_our_writer_and_stock_after_stocks(tmp_path):
     """dcp.save returns rank 0's metadata on every rank: after ScalableFileSystemWriter it has
     keys, sizes and dtypes only (at FSDP over N ranks the chunk lists are O(N) per tensor)."""
-    ours = run(tmp_path, 4, "save", tmp_path / "ours", "ours+writer")
-    stock_writer = run(tmp_path, 4, "save", tmp_path / "plain", "ours")
+    reports = saves(tmp_path, 4, {tmp_path / "ours": "ours+writer", tmp_path / "plain": "ours"})
+    ours, stock_writer = reports[tmp_path / "ours"], reports[tmp_path / "plain"]
     assert [r["returned_chunks"] for r in ours[1:]] == [0, 0, 0]
     assert all(r["returned_chunks"] > 0 for r in stock_writer)
     # storage_meta (checkpoint_id, save_id) as stock sets it: in the return value and in what readers see
@@ -211,13 +217,13 @@ def test_the_broadcast_back_is_slim_after_our_writer_and_stock_after_stocks(tmp_
 
 @pytest.mark.slow
 def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_owned_one(tmp_path):
-    env = {"EXTRA_KEY_ON_RANK": "1"}
-    refused = run(tmp_path, 4, "save", tmp_path / "derived", "ours+writer", env=env)
+    ours = tmp_path / "owned"
+    reports = saves(tmp_path, 4, {tmp_path / "derived": "ours+writer", ours: "ours-owned+writer"},
+                    env={"EXTRA_KEY_ON_RANK": "1"})
+    refused, saved = reports[tmp_path / "derived"], reports[ours]
     assert [r["failed"] for r in refused] == [["NotDerivable"]] * 4  # every rank, and nothing written
     assert "rank 1 holds a different state dict structure" in refused[0]["error"]
     assert not (tmp_path / "derived" / ".metadata").exists()
-    ours = tmp_path / "owned"
-    saved = run(tmp_path, 4, "save", ours, "ours-owned+writer", env=env)
     assert [r["mode"] for r in saved] == ["owned"] * 4
     assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped ...
     only = {"plain": {"only_here": torch.zeros(3)}}
@@ -233,34 +239,47 @@ def test_used_alone_the_planner_saves_a_sub_mesh_dtensor_as_stock_does_on_the_ow
     """A DTensor on one row of a 2-D mesh: rank 0 cannot derive its chunks, every rank sees that
     by itself and sends its owned items, and the save takes the owned path with no retry."""
     env = {"SUBMESH": "1"}
-    saved = run(tmp_path, 4, "save", tmp_path / "ours", "ours+writer", env=env)
+    saved = saves(tmp_path, 4, {tmp_path / "ours": "ours+writer", tmp_path / "stock": "stock"}, env=env)[tmp_path / "ours"]
     assert [r.get("failed") for r in saved] == [None] * 4 and [r["mode"] for r in saved] == ["owned"] * 4
-    run(tmp_path, 4, "save", tmp_path / "stock", "stock", env=env)
     assert described(tmp_path / "ours") == described(tmp_path / "stock")
     assert all(len(files) == 1 for files in writers(tmp_path / "ours").values())
     loaded = run(tmp_path, 4, "load", tmp_path / "ours", env=env)  # stock dcp.load
     assert all(r["mismatches"] == [] for r in loaded)
 
 
+@pytest.fixture(scope="module")
+def faulty_saves(tmp_path_factory):
+    """One 4-rank launch per injected fault, saving with each planner in turn: (directory, reports) by planner."""
+    faults = {"FAIL_PLANNING_ON_RANK": ("ours+writer", "ours-owned+writer", "ours"),
+              "DROP_WRITE_ON_RANK": ("ours+writer", "ours")}
+    found = {}
+    for fault, planners in faults.items():
+        root = tmp_path_factory.mktemp(fault.lower())
+        paths = {root / planner: planner for planner in planners}
+        for path, reports in saves(root, 4, paths, env={fault: "2" if fault.startswith("FAIL") else "1"}).items():
+            found[fault, paths[path]] = path, reports
+    return found
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("planner", ["ours+writer", "ours-owned+writer", "ours"])
-def test_a_rank_failing_in_planning_fails_every_rank_at_once_and_nothing_is_written(tmp_path, planner):
+def test_a_rank_failing_in_planning_fails_every_rank_at_once_and_nothing_is_written(faulty_saves, planner):
     """No collective of the planner's own: the failing rank's exception reaches every rank
     through DCP's own gather and scatter, as with stock (a group timeout of 120 s)."""
-    reports = run(tmp_path, 4, "save", tmp_path / "ckpt", planner, env={"FAIL_PLANNING_ON_RANK": "2"})
+    path, reports = faulty_saves["FAIL_PLANNING_ON_RANK", planner]
     assert [r["failed"] for r in reports] == [["RuntimeError"]] * 4
     assert all("injected planning failure on rank 2" in r["error"] for r in reports)  # not a group timeout's
-    assert not (tmp_path / "ckpt" / ".metadata").exists()
+    assert not (path / ".metadata").exists()
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("planner", ["ours+writer", "ours"])
-def test_an_ownership_slip_fails_the_save_before_the_metadata_is_written(tmp_path, planner):
+def test_an_ownership_slip_fails_the_save_before_the_metadata_is_written(faulty_saves, planner):
     """A chunk the metadata lists but no rank wrote: stock would find out at load (KeyError)."""
-    reports = run(tmp_path, 4, "save", tmp_path / "ckpt", planner, env={"DROP_WRITE_ON_RANK": "1"})
+    path, reports = faulty_saves["DROP_WRITE_ON_RANK", planner]
     assert [r["failed"] for r in reports] == [["IncompleteWrite"]] * 4
     assert "written 0 times" in reports[0]["error"]
-    assert not (tmp_path / "ckpt" / ".metadata").exists()
+    assert not (path / ".metadata").exists()
 
 
 @pytest.mark.slow

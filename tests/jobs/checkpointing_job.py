@@ -19,10 +19,8 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
                  (busy, not lost: a long pickle or native call), then the save goes on
     bound        the accelerator's dcp.save was bound before ckptdoctor could wrap it
     blind        rank RANK does not see the newest checkpoint (a stale NFS view), at resume
-    load-PROBLEM save one step, then load it back with load_state after rank 0 damaged it:
-                 none, stock (saved by stock save_state: no marker, no index), missing-metadata,
-                 truncated-metadata (and no index), data-file-missing, extra-key (the model holds a key
-                 the checkpoint does not)
+    loads        for each of LOAD_PROBLEMS in turn: one step saved in its own root (OUT/ckpt/PROBLEM),
+                 damaged by rank 0, loaded back with load_state; outcomes in report["loads"][PROBLEM]
 (a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared, ordered by
  TEST_HOLD=before-save (made, then waits for OUT/go before saving) or before-publish (written, then waits))
 Each rank writes OUT/rank<N>.json: what happened, when.
@@ -106,6 +104,26 @@ def damage(state_dir: Path, problem: str) -> None:
         (model / ".ckptdoctor-index").write_bytes(b"")
 
 
+# none: ours; stock: saved by stock save_state (no marker, no index); empty-index: an interrupted copy of the
+# index; missing-metadata, truncated-metadata (and no index), data-file-missing; misspelt: published with
+# begin/commit, loaded from a subdirectory it lacks; extra-key (last: the model keeps a key the checkpoints lack)
+LOAD_PROBLEMS = ("none", "stock", "empty-index", "missing-metadata", "truncated-metadata", "data-file-missing",
+                 "misspelt", "extra-key")
+
+
+def every_load_problem(ckpt, accelerator, root: Path, report: dict) -> None:
+    """One launch serves every load problem: each rank goes on to the next after a refusal, as a
+    trainer that caught it would (which also shows a refused load leaves the checkpointing usable)."""
+    report["loads"] = {}
+    for problem in LOAD_PROBLEMS:
+        outcome = report["loads"][problem] = {}
+        try:
+            save_then_load(ckpt, accelerator, root / problem, problem, outcome)
+            outcome["status"] = "ok"
+        except Exception as error:  # noqa: BLE001 - reported for the test
+            outcome.update(status="failed", error_type=type(error).__name__, error=str(error)[-1500:])
+
+
 def save_then_load(ckpt, accelerator, root: Path, problem: str, report: dict) -> None:
     state_dir = root / "step-1" / "accelerator"
     if problem == "stock":
@@ -148,6 +166,7 @@ def stop_in_planning(rank: int, how: str) -> None:
         if dist.get_rank() == rank:
             Path(OUT, "fault_at").write_text(repr(time.time()))
             if how == "sigstop":
+                Path(OUT, "stopped_pid").write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif how == "gil":
                 hold_the_gil(float(os.environ["HOLD_GIL_S"]))
@@ -258,8 +277,8 @@ def main() -> int:
         elif fault == "planner":
             accelerator.planner = OwnPlanner()
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
-        elif fault.startswith("load-"):
-            save_then_load(ckpt, accelerator, root, fault.removeprefix("load-"), report)
+        elif fault == "loads":
+            every_load_problem(ckpt, accelerator, root, report)
         else:
             if os.environ.get("TEST_HOLD") == "before-save":  # the two-jobs race, ordered by the test
                 hold_at("ready")

@@ -1,6 +1,7 @@
 """One rank of a planner test job (started by tests/fix/test_planner.py through ckptdoctor.repro.launcher).
 
-    python planner_job.py save DIR PLANNER       build the state dict, dcp.save it
+    python planner_job.py save DIR PLANNER [DIR PLANNER ...]
+                                                 build the state dict, dcp.save it into each DIR in turn
                                                  (PLANNER: stock, ours, ours-owned = without derived metadata;
                                                   +writer: with ScalableFileSystemWriter)
     python planner_job.py load DIR [READER]      dcp.load into this world size, compare (READER: stock, or
@@ -9,7 +10,7 @@
     python planner_job.py load-save DIR OUT      load (compare), then save again with ours
 
 Every tensor is a deterministic function of its name, so any world size knows what each of
-its local shards must hold. Each rank writes rank<N>.json beside DIR with what it saw.
+its local shards must hold. Each rank writes DIR.OP.rank<N>.json beside each DIR with what it saw.
 
 Faults, injected by environment variable (the fix's defences are under test, not torch):
     EXTRA_KEY_ON_RANK=R       rank R holds a replicated key the others do not
@@ -129,54 +130,65 @@ def read_plan(plan) -> list:
              i.storage_index.index, tuple(i.storage_offsets), tuple(i.lengths)) for i in plan.items]
 
 
+def save(rank: int, world: int, path: Path, how: str) -> dict:
+    """One dcp.save of the state dict into `path` with planner (and writer) `how`; what this rank saw."""
+    kind, with_writer = how.removesuffix("+writer"), how.endswith("+writer")
+    verify = os.environ.get("VERIFY_REPLICAS") == "1"
+    planner = {"ours": lambda: ScalableSavePlanner(verify_replicas=verify),
+               "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False, verify_replicas=verify),
+               "stock": dcp.DefaultSavePlanner}[kind]()
+    writer = ScalableFileSystemWriter(path) if with_writer else None
+    report, start = {"rank": rank, "world": world}, time.time()
+    try:
+        returned = dcp.save(build(rank, world), checkpoint_id=path, planner=planner, storage_writer=writer)
+    except BaseException as error:  # noqa: BLE001 - reported, then the job goes on to the next save
+        report.update(failed=failure_names(error), error=str(error)[-2000:], save_s=time.time() - start)
+        return report
+    report["save_s"] = time.time() - start
+    report["returned_storage_data"] = None if returned.storage_data is None else len(returned.storage_data)
+    report["returned_chunks"] = sum(len(getattr(md, "chunks", [])) for md in returned.state_dict_metadata.values())
+    report["items_written"] = len(planner.plan.items)
+    meta = returned.storage_meta
+    report["returned_checkpoint_id"] = None if meta is None else str(meta.checkpoint_id)
+    report["mode"] = getattr(planner, "mode", "stock planner")
+    return report
+
+
+def load(rank: int, world: int, path: Path, op: str, extra: list[str]) -> dict:
+    """dcp.load into this world size and compare every value (then, for load-save, save again with ours)."""
+    report = {"rank": rank, "world": world}
+    state = build(rank, world, zeros=True)
+    if op == "load" and extra == ["ours"]:
+        planner = ScalableLoadPlanner()
+        start = time.time()
+        dcp.load(state, checkpoint_id=path, planner=planner, storage_reader=ScalableFileSystemReader(path))
+        report["load_s"] = time.time() - start
+        ours, stock = read_plan(planner.plan), read_plan(stock_load_plan(path, rank, world))
+        report["plan_equals_stock"] = ours == stock
+        report["plan_difference"] = next(([a, b] for a, b in zip(ours, stock) if a != b), len(ours) - len(stock))
+        report["items_read"] = len(planner.plan.items)
+    else:
+        dcp.load(state, checkpoint_id=path)  # stock loader and planner
+    report["mismatches"] = mismatches(state)
+    if op == "load-save":
+        out = Path(extra[0])
+        dcp.save(state, checkpoint_id=out, planner=ScalableSavePlanner(), storage_writer=ScalableFileSystemWriter(out))
+    return report
+
+
 def main() -> int:
-    op, path = sys.argv[1], Path(sys.argv[2])
+    op = sys.argv[1]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
-    report = {"rank": rank, "world": world}
-    if op == "save":
+    if op == "save":  # DIR PLANNER [DIR PLANNER ...]: one launch serves several saves, in order
         inject_faults(rank)
-        kind, with_writer = sys.argv[3].removesuffix("+writer"), sys.argv[3].endswith("+writer")
-        verify = os.environ.get("VERIFY_REPLICAS") == "1"
-        planner = {"ours": lambda: ScalableSavePlanner(verify_replicas=verify),
-                   "ours-owned": lambda: ScalableSavePlanner(derive_metadata=False, verify_replicas=verify),
-                   "stock": dcp.DefaultSavePlanner}[kind]()
-        writer = ScalableFileSystemWriter(path) if with_writer else None
-        start = time.time()
-        try:
-            returned = dcp.save(build(rank, world), checkpoint_id=path, planner=planner, storage_writer=writer)
-        except BaseException as error:  # noqa: BLE001 - reported, then the job goes on to exit cleanly
-            report.update(failed=failure_names(error), error=str(error)[-2000:], save_s=time.time() - start)
-        else:
-            report["save_s"] = time.time() - start
-            report["returned_storage_data"] = None if returned.storage_data is None else len(returned.storage_data)
-            report["returned_chunks"] = sum(len(getattr(md, "chunks", [])) for md in
-                                            returned.state_dict_metadata.values())
-            report["items_written"] = len(planner.plan.items)
-            meta = returned.storage_meta
-            report["returned_checkpoint_id"] = None if meta is None else str(meta.checkpoint_id)
-            report["mode"] = getattr(planner, "mode", "stock planner")
+        for path, how in zip(sys.argv[2::2], sys.argv[3::2]):
+            Path(f"{path}.save.rank{rank}.json").write_text(json.dumps(save(rank, world, Path(path), how)))
     else:
-        state = build(rank, world, zeros=True)
-        if op == "load" and sys.argv[3:] == ["ours"]:
-            planner = ScalableLoadPlanner()
-            start = time.time()
-            dcp.load(state, checkpoint_id=path, planner=planner, storage_reader=ScalableFileSystemReader(path))
-            report["load_s"] = time.time() - start
-            ours, stock = read_plan(planner.plan), read_plan(stock_load_plan(path, rank, world))
-            report["plan_equals_stock"] = ours == stock
-            report["plan_difference"] = next(([a, b] for a, b in zip(ours, stock) if a != b), len(ours) - len(stock))
-            report["items_read"] = len(planner.plan.items)
-        else:
-            dcp.load(state, checkpoint_id=path)  # stock loader and planner
-        report["mismatches"] = mismatches(state)
-        if op == "load-save":
-            out = Path(sys.argv[3])
-            dcp.save(state, checkpoint_id=out, planner=ScalableSavePlanner(), storage_writer=ScalableFileSystemWriter(out))
-    Path(f"{path}.{op}.rank{rank}.json").write_text(json.dumps(report))
+        path = Path(sys.argv[2])
+        Path(f"{path}.{op}.rank{rank}.json").write_text(json.dumps(load(rank, world, path, op, sys.argv[3:])))
     dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     code = main()
