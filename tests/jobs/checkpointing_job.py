@@ -166,7 +166,6 @@ def stop_in_planning(rank: int, how: str) -> None:
         if dist.get_rank() == rank:
             Path(OUT, "fault_at").write_text(repr(time.time()))
             if how == "sigstop":
-                Path(OUT, "stopped_pid").write_text(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif how == "gil":
                 hold_the_gil(float(os.environ["HOLD_GIL_S"]))

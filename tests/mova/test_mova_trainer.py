@@ -201,8 +201,8 @@ def straight(mova_copies, tmp_path_factory):
 
 def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resume_repeats_the_losses(
         mova_copies, straight, tmp_path, monkeypatch):
-    """Rank 3 freezes (SIGSTOP: a node that vanished, its connections open) in step-8's optimizer
-    save. A rank that exits would not do: torchrun tears every rank down itself within a second of
+    """Resumed from the straight run's step-4, rank 3 freezes (SIGSTOP: a node that vanished, its
+    connections open) in step-8's optimizer save. A rank that exits would not do: torchrun tears every rank down itself within a second of
     an exit, fix or not. Frozen, nobody but the fix notices: without it the others wait in the plan
     exchange for the group's deadline (1800 s here, past the job's limit). With it, rank 0's
     heartbeat watch names rank 3 after the lost-rank window and the others exit 75 (torchrun stops
@@ -210,15 +210,17 @@ def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resu
     from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
 
     monkeypatch.setenv("CKPTDOCTOR_LOST_RANK_S", "6")  # every rank reads it: the knob, as a user sets it
-    fault = {"kind": "sigstop", "rank": 3, "save": "optimizer_0", "call": 2}
-    frozen = mova_job(mova_copies["patched"], tmp_path / "frozen", "sft", 8, fault=fault)
+    save_path = tmp_path / "checkpoints"  # the job resumes the straight run's step-4, its first save is step-8's
+    shutil.copytree(straight["sft"].save_path / "step-4", save_path / "step-4")
+    fault = {"kind": "sigstop", "rank": 3, "save": "optimizer_0", "call": 1}
+    frozen = mova_job(mova_copies["patched"], tmp_path / "frozen", "sft", 8, save_path=save_path, fault=fault)
     assert frozen.returncode != 0
     log = frozen.log_path.read_text()
     left = re.findall(rf"ckptdoctor: rank (\d+): rank\(s\) 3 stopped answering for 6 s; exiting with code "
                       rf"{EXIT_LOST_RANK} \(nothing was published\)", log)
     assert left and set(map(int, left)) <= {0, 1, 2, 4, 5, 6, 7}, log[-3000:]  # the first one out ends the job:
     assert f"(exitcode: {EXIT_LOST_RANK})" in log  # torchrun then stops the rest, the frozen one with SIGKILL
-    save_path = frozen.save_path
+    assert frozen.save_path == save_path and "[Resume] Loaded from " + str(save_path / "step-4") in log
     assert find_latest(save_path) == save_path / "step-4"  # step-8 was never published ...
     assert not (save_path / "step-8").exists() and [p.name.startswith("step-8" + INCOMPLETE)
                                                      for p in save_path.iterdir() if "step-8" in p.name] == [True]
@@ -271,18 +273,20 @@ def test_level1_after_a_rank_killed_mid_save_a_restart_resumes_the_newest_comple
 
 def test_lora_resume_takes_every_piece_from_one_step_and_repeats_the_uninterrupted_losses(
         mova_copies, straight, level1_killed, tmp_path):
-    first = mova_job(mova_copies["patched"], tmp_path / "first", "lora", 4)
-    assert first.returncode == 0, first.log_path.read_text()[-3000:]
-    step4 = first.save_path / "step-4"
+    save_path = tmp_path / "checkpoints"  # the patched trainer's step-4: the straight run's, as it stopped there
+    step4 = save_path / "step-4"
+    shutil.copytree(straight["lora"].save_path / "step-4", step4)
     assert torch.load(step4 / "trainer_state.pt")["global_step"] == 4
     # the same 4 steps exported by MOVA's own code, which gathers the whole model (get_state_dict)
     stock = level1_killed("lora").save_path / "step-4" / "lora_weights.pt"
     ours, theirs = torch.load(step4 / "lora_weights.pt"), torch.load(stock)
     assert ours.keys() == theirs.keys() and len(ours) > 0
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)  # gathered adapter by adapter, bit for bit
-    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "lora", 8, save_path=first.save_path)
+    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "lora", 8, save_path=save_path)
     assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    assert "[Resume] Loaded from " + str(step4) + ", step=4" in resumed.log_path.read_text()
     assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["lora"], "losses")]
+    assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["lora"], "rng_digests")]
 
 
 def test_a_checkpoint_of_the_unpatched_trainer_still_resumes_with_the_patch(mova_copies, straight, tmp_path):

@@ -5,7 +5,8 @@ With `agent_store`, the launcher hosts the job's TCP store itself, as torchrun's
 (TORCHELASTIC_USE_AGENT_STORE): every rank is a client, and the store outlives rank 0.
 Output goes to one combined log with a `[rankN]:` prefix on every line. When a rank fails,
 the others get `grace_s` to fail on their own, then are torn down (SIGTERM, then SIGKILL),
-as torchrun's agent tears a job down.
+as torchrun's agent tears a job down. Once some rank has ended and every rank left is stopped
+(SIGSTOP, a fault the tests inject), those are torn down at once: none of them can act again.
 """
 
 from __future__ import annotations
@@ -94,16 +95,35 @@ def _supervise(procs: list[subprocess.Popen], grace_s: float, timeout_s: float, 
         now = time.time()
         if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
             first_failure = now
-        if (first_failure is not None and now - first_failure > grace_s) or now - start > timeout_s:
+        if (first_failure is not None and now - first_failure > grace_s) or now - start > timeout_s or \
+                _only_stopped_ranks_left(procs):
             return _tear_down(procs)
         time.sleep(0.1)
     return []
 
 
+def _only_stopped_ranks_left(procs: list[subprocess.Popen]) -> bool:
+    """Some rank has ended and every rank still running is stopped (SIGSTOP): nothing can change
+    any more, so waiting out the grace or the timeout would only spend the caller's time."""
+    alive = [p for p in procs if p.poll() is None]
+    return len(alive) < len(procs) and all(_stopped(p.pid) for p in alive)
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"  # the state field follows the command name in parentheses
+
+
 def _tear_down(procs: list[subprocess.Popen]) -> list[int]:
     alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
-    for rank in alive:
-        procs[rank].send_signal(signal.SIGTERM)
+    for rank in alive:  # a stopped rank cannot act on SIGTERM: it would only wait out the 10 s
+        if _stopped(procs[rank].pid):
+            os.killpg(procs[rank].pid, signal.SIGKILL)
+        else:
+            procs[rank].send_signal(signal.SIGTERM)
     deadline = time.time() + 10
     for rank in alive:
         try:
