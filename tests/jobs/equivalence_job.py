@@ -251,7 +251,8 @@ def describe(md) -> dict:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     return {k: "bytes" if isinstance(v, BytesStorageMetadata) else
-            [list(v.size), str(v.properties.dtype), sorted([list(c.offsets), list(c.sizes)] for c in v.chunks)]
+            [list(v.size), str(v.properties.dtype), getattr(v.properties, "strides", None),  # torch 2.15+
+             sorted([list(c.offsets), list(c.sizes)] for c in v.chunks)]
             for k, v in md.state_dict_metadata.items()}
 
 

@@ -120,7 +120,7 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
             _, stock_md = _default_metadata(DefaultSavePlanner()._dedup_save_plans(stock))
             ours_md = build_metadata(ours)
             assert describe_metadata(ours_md) == describe_metadata(stock_md)
-            chunks = sum(1 if d == "bytes" else len(d[2]) for d in describe_metadata(ours_md).values())
+            chunks = sum(1 if d == "bytes" else len(d[-1]) for d in describe_metadata(ours_md).values())
             assert sum(len(p.items) for p in ours) == chunks  # every item written exactly once
             planner, _ = scalable_local_plan(build_state_dict(save, specs, Layout.parse(layout),
                                                               init_fake_world(0, 16, Layout.parse(layout))))

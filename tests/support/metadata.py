@@ -2,12 +2,20 @@
 
 
 def describe_metadata(metadata) -> dict:
-    """What DCP metadata says was saved: per key "bytes", or (size, dtype, sorted chunks)."""
+    """What DCP metadata says was saved: per key "bytes", or (size, dtype, strides, sorted chunks);
+    strides are torch 2.15's (None before, and where torch records none)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     return {key: "bytes" if isinstance(value, BytesStorageMetadata) else
-            (tuple(value.size), str(value.properties.dtype), sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
+            (tuple(value.size), str(value.properties.dtype), strides(value.properties),
+             sorted((tuple(c.offsets), tuple(c.sizes)) for c in value.chunks))
             for key, value in metadata.state_dict_metadata.items()}
+
+
+def strides(properties) -> tuple | None:
+    """TensorProperties.strides (torch 2.15 added it to `.metadata`), or None."""
+    value = getattr(properties, "strides", None)
+    return None if value is None else tuple(value)
 
 
 def written_items(plans) -> list[tuple]:
