@@ -47,7 +47,8 @@ def one_pair(torch_v: str, accelerate_v: str, work: Path) -> dict:
     source = work / "ckptdoctor"  # a copy: building in the checkout would leave build/ in it
     run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(source)], check=True)
     install = run([str(py), "-m", "pip", "install", "--no-cache-dir", "--quiet", f"torch=={torch_v}",
-                   f"accelerate=={accelerate_v}", f"{source}[test]"])
+                   f"accelerate=={accelerate_v}", f"{source}[test]"],
+                  env={**os.environ, "PIP_CONSTRAINT": os.devnull})  # the pair asked for, whatever pip's config caps
     run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(source)])
     row["install_s"] = round(time.time() - start)
     if install.returncode != 0:

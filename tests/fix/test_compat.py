@@ -10,7 +10,7 @@ from ckptdoctor.fix import compat
 
 @pytest.fixture
 def unchecked_torch(monkeypatch):
-    monkeypatch.setattr(compat, "installed_versions", lambda: ("2.15.0", "1.14.0"))
+    monkeypatch.setattr(compat, "installed_versions", lambda: ("2.16.0", "1.14.0"))
     monkeypatch.setattr(compat, "_warned", set())
 
 
@@ -19,17 +19,17 @@ def test_an_unchecked_version_is_refused_in_one_line_that_names_the_override(unc
     with pytest.raises(UnsupportedVersion) as refused:
         compat.check_versions()
     line = str(refused.value)
-    assert "\n" not in line and "not torch 2.15.0" in line and "accelerate 1.14.0" in line
-    assert "checked on torch 2.8.0 to 2.14.1 and accelerate 1.13.0 to 1.15.0" in line
+    assert "\n" not in line and "not torch 2.16.0" in line and "accelerate 1.14.0" in line
+    assert "checked on torch 2.8.0 to 2.15.0 and accelerate 1.13.0 to 1.16.0" in line
     assert line.endswith(f"set {compat.OVERRIDE}=1")
 
 
 @pytest.mark.parametrize("torch_v, accelerate_v, accepted", [
-    ("2.8.0", "1.13.0", True), ("2.14.1", "1.15.0", True),   # CI's two stacks
+    ("2.8.0", "1.13.0", True), ("2.15.0", "1.16.0", True),   # CI's two stacks
     ("2.9.1", "1.15.0", True), ("2.12.1", "1.14.0", True),   # inside both ranges
-    ("2.14.0", "1.13.0", True),                               # torch_npu 2.14.0's torch
-    ("2.7.1", "1.13.0", False), ("2.15.0", "1.15.0", False),  # below, above
-    ("2.9.0rc1", "1.15.0", False), ("2.8.0", "1.12.0", False), ("2.8.0", "1.16.0", False),
+    ("2.14.0", "1.16.0", True), ("2.8.0", "1.16.0", True),   # torch_npu 2.14.0's torch; the user's torch
+    ("2.7.1", "1.13.0", False), ("2.16.0", "1.16.0", False),  # below, above
+    ("2.15.0a0", "1.16.0", False), ("2.8.0", "1.12.0", False), ("2.8.0", "1.17.0", False),
     ("not installed", "1.13.0", False),
 ])
 def test_the_gate_accepts_the_checked_ranges_and_nothing_else(monkeypatch, torch_v, accelerate_v, accepted):

@@ -3,7 +3,7 @@
 Shared by the reproduction (to check it failed for the stated reason) and the log
 diagnoser (to explain a failure from a traceback). Function names are torch's and
 Accelerate's; they are the same in the user's stack (torch 2.8.0, Accelerate 1.13.0) and
-the newest one (torch 2.14.1, Accelerate 1.15.0), only line numbers move.
+the newest ones (torch 2.14.1 and 2.15.0, Accelerate 1.15.0 and 1.16.0), only line numbers move.
 """
 
 from __future__ import annotations

@@ -30,10 +30,17 @@ FRAME_LINES = {
                           ("checkpoint/utils.py", "inner_func"): 488, ("state_dict_saver.py", "save"): 196,
                           ("state_dict_saver.py", "_save_state_dict"): 487, ("checkpoint/logger.py", "wrapper"): 90,
                           ("c10d_logger.py", "wrapper"): 83},
+    ("torch", "2.15.0"): {("distributed_c10d.py", "broadcast"): 4055, ("distributed_c10d.py", "scatter_object_list"): 5163,
+                          ("checkpoint/utils.py", "reduce_scatter"): 220, ("checkpoint/utils.py", "scatter_object"): 163,
+                          ("checkpoint/utils.py", "inner_func"): 488, ("state_dict_saver.py", "save"): 196,
+                          ("state_dict_saver.py", "_save_state_dict"): 487, ("checkpoint/logger.py", "wrapper"): 90,
+                          ("c10d_logger.py", "wrapper"): 83},
     ("accelerate", "1.13.0"): {("accelerator.py", "save_state"): 3662, ("fsdp_utils.py", "save_fsdp_optimizer"): 273,
                                ("fsdp_utils.py", "save_fsdp_model"): 153, ("accelerator.py", "load_state"): 3825},
     ("accelerate", "1.15.0"): {("accelerator.py", "save_state"): 3720, ("fsdp_utils.py", "save_fsdp_optimizer"): 347,
                                ("fsdp_utils.py", "save_fsdp_model"): 180, ("accelerator.py", "load_state"): 3883},
+    ("accelerate", "1.16.0"): {("accelerator.py", "save_state"): 3625, ("fsdp_utils.py", "save_fsdp_optimizer"): 360,
+                               ("fsdp_utils.py", "save_fsdp_model"): 180, ("accelerator.py", "load_state"): 3775},
 }
 MIN_VERSION_FRAMES = 2  # a version is named only when this many frames agree with it and none disagrees
 COORDINATOR_PHASES = {"plan-scatter", "plan-gather", "finish-gather", "finish-scatter"}

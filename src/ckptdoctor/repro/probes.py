@@ -36,7 +36,7 @@ TIMED_COLLECTIVES = ("gather_object", "scatter_object_list", "broadcast_object_l
                      "broadcast")
 TIMED_GLOO_OPS = ("broadcast", "scatter", "gather", "all_gather")  # recorded as "c10d.<name>"
 LOGGED_FUNCTIONS = ("save", "_save_state_dict", "local_step", "global_step", "write_data", "finish_checkpoint")
-CHECKED_TORCH = ("2.8.0", "2.14.1")
+CHECKED_TORCH = ("2.8.0", "2.14.1", "2.15.0")
 
 
 def save_key(name: str, round_: int) -> str:
