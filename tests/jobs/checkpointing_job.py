@@ -19,6 +19,7 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
                  (busy, not lost: a long pickle or native call), then the save goes on
     bound        the accelerator's dcp.save was bound before ckptdoctor could wrap it
     blind        rank RANK does not see the newest checkpoint (a stale NFS view), at resume
+    load-only    load_state of OUT/ckpt/step-1/accelerator, which another job (another torch) saved
     loads        for each of LOAD_PROBLEMS in turn: one step saved in its own root (OUT/ckpt/PROBLEM),
                  damaged by rank 0, loaded back with load_state; outcomes in report["loads"][PROBLEM]
 (a race of two jobs publishing one step: two "none" jobs with CKPTDOCTOR_TEST_CKPT_ROOT shared, ordered by
@@ -276,6 +277,9 @@ def main() -> int:
         elif fault == "planner":
             accelerator.planner = OwnPlanner()
             report["published"] = str(ckpt.save_state(root / "step-1" / "accelerator"))
+        elif fault == "load-only":
+            ckpt.load_state(root / "step-1" / "accelerator")
+            report["state_is_the_saved_one"] = accelerator.state_is_the_saved_one()
         elif fault == "loads":
             every_load_problem(ckpt, accelerator, root, report)
         else:

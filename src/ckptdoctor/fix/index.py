@@ -45,6 +45,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from ..errors import CkptDoctorError
+from .metadata_format import newer_format_problem
 
 INDEX_NAME = ".ckptdoctor-index"
 METADATA_NAME = ".metadata"
@@ -262,7 +263,10 @@ def _read_bound_index(index_path: Path, metadata_path: Path, identity: tuple):
     start = len(MAGIC) + header_bytes
     try:
         skeleton = pickle.loads(data[start:start + header.skeleton_bytes])
-    except Exception as error:  # noqa: BLE001 - any unpickling failure means a damaged file
+    except Exception as error:  # noqa: BLE001 - a damaged file, or one a newer torch wrote
+        newer = newer_format_problem(index_path, data[start:start + header.skeleton_bytes])
+        if newer:
+            raise StaleIndex(newer) from error
         raise CorruptCheckpoint(f"{index_path} is unreadable ({type(error).__name__}: {error})") from error
     metadata = skeleton["metadata"]
     metadata.storage_data = IndexedStorage(data, header, header_bytes, metadata.state_dict_metadata,
@@ -359,5 +363,6 @@ def read_metadata_file(checkpoint_dir: str | os.PathLike):
             return pickle.load(f)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{path} is missing: not a DCP checkpoint, or its save did not finish") from None
-    except Exception as error:  # noqa: BLE001 - EOFError, UnpicklingError, ...: a damaged file
-        raise CorruptCheckpoint(f"{path} is truncated or corrupt ({type(error).__name__}: {error})") from error
+    except Exception as error:  # noqa: BLE001 - EOFError, UnpicklingError, ...: a damaged file, or a newer format
+        newer = newer_format_problem(path, path.read_bytes())
+        raise CorruptCheckpoint(newer or f"{path} is truncated or corrupt ({type(error).__name__}: {error})") from error
