@@ -12,11 +12,16 @@ from ckptdoctor.check.mova_model import MovaShape
 from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, local_plan, plan_signature, rank_plans
 from ckptdoctor.check.state_dicts import find_checkpoints, mova_specs, read_checkpoint_entries
 from ckptdoctor.errors import CkptDoctorError
+from ckptdoctor.fix.compat import installed_versions
 
 from support.fake_ranks import leave_fake_world
 from support.metadata import describe_metadata
 
 SHAPE = MovaShape().with_layers(3)  # tiny widths: many tensors narrower than the shard group (empty chunks)
+
+# which torch's format a checkpoint saved here is in (torch 2.15 added strides), as check notes it
+WRITTEN_HERE = "written by torch 2.15 or newer" if tuple(map(int, installed_versions()[0].split(".")[:2])) >= (2, 15) \
+    else "written by torch 2.14 or older"
 
 
 def write_stock_metadata(directory, save, specs, ranks, layout):
@@ -40,7 +45,7 @@ def test_a_checkpoints_entries_plan_as_the_state_dict_that_wrote_it(tmp_path, sa
     try:
         write_stock_metadata(tmp_path / save, save, specs, 8, Layout.parse(written))
         entries, notes = read_checkpoint_entries(tmp_path / save)
-        assert notes == []
+        assert [n.split(": ", 1)[1].split(" (")[0] for n in notes] == [WRITTEN_HERE]  # only which torch reads it
         layout = Layout.parse(replanned)
         mesh = init_fake_world(3, 16, layout)
         from_checkpoint, _ = local_plan(entries.state_dict(save, layout, mesh))
@@ -61,7 +66,7 @@ def test_a_checkpoint_saved_by_one_rank_is_taken_as_sharded_and_says_so(tmp_path
         entries, notes = read_checkpoint_entries(tmp_path / "model")
     finally:
         leave_fake_world()
-    assert len(notes) == 1 and "saved by one rank?" in notes[0]
+    assert len(notes) == 2 and WRITTEN_HERE in notes[0] and "saved by one rank?" in notes[1]
     assert all(e.sharded == (e.size is not None and len(e.size) > 0) for e in entries)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import CkptDoctorError
+from ..fix.metadata_format import describe_format, newer_format_problem
 from .layout import Layout
 
 METADATA = ".metadata"
@@ -134,7 +135,9 @@ def read_checkpoint_entries(directory: Path) -> tuple[CheckpointEntries, list[st
     try:
         metadata = FileSystemReader(str(directory)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any unreadable file is the same one-line answer
-        raise CkptDoctorError(f"cannot read {directory / METADATA}: {type(exc).__name__}: {exc}") from None
+        newer = newer_format_problem(directory / METADATA, (directory / METADATA).read_bytes()) \
+            if (directory / METADATA).is_file() else None
+        raise CkptDoctorError(newer or f"cannot read {directory / METADATA}: {type(exc).__name__}: {exc}") from None
     tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     any_sharded = any(len(md.chunks) > 1 for md in tensors.values())
     entries = CheckpointEntries()
@@ -145,9 +148,9 @@ def read_checkpoint_entries(directory: Path) -> tuple[CheckpointEntries, list[st
         size = tuple(md.size)
         sharded = len(md.chunks) > 1 if any_sharded else len(size) > 0
         entries.append(Entry(fqn, size, str(md.properties.dtype), sharded))
-    notes = [] if any_sharded else [
+    notes = [f"{directory}: {describe_format(metadata)}"] + ([] if any_sharded else [
         f"{directory}: no tensor is in more than one chunk (saved by one rank?): every tensor of one "
-        f"dimension or more is taken as sharded by FSDP"]
+        f"dimension or more is taken as sharded by FSDP"])
     return entries, notes
 
 

@@ -63,11 +63,13 @@ def newer_format_problem(path: Path, data: bytes) -> str | None:
             f"cannot read it: resume with torch {first} or newer, or save it again from there with torch 2.14 or older")
 
 
-def describe_format(data: bytes) -> str:
-    """Which torch wrote this format and which can read it, for a `.metadata` that loaded."""
-    first, counts = ".".join(map(str, STRIDES_FROM)), field_counts(data)
-    if not counts:
-        return "no tensor properties recorded: any torch reads it"
-    if max(counts) > 5:
+def describe_format(metadata) -> str:
+    """Which torch wrote a `.metadata` that loaded here, and which can read it (from the loaded
+    object: torch 2.15+ fills `strides`, older formats load with none)."""
+    first = ".".join(map(str, STRIDES_FROM))
+    properties = [md.properties for md in metadata.state_dict_metadata.values() if hasattr(md, "properties")]
+    if not properties:
+        return "no tensor recorded: any torch reads it"
+    if any(getattr(p, "strides", None) is not None for p in properties):
         return f"written by torch {first} or newer (tensor strides recorded): only torch {first} or newer reads it"
-    return "written by torch 2.14 or older (no tensor strides): torch 2.8 and newer read it"
+    return f"written by torch 2.14 or older (no tensor strides): torch 2.8 and newer read it"
