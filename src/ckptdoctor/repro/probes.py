@@ -16,7 +16,9 @@ Two probes, both read-only:
   passes to `dist_cp.save`) is wrapped too, to keep each rank's local plan: the simulator
   is tested against these real plans item by item.
   This is the one monkeypatch in the project: pass-through wrappers, checked against the
-  torch versions we pin (tests assert the calls are seen), undone by `uninstall()`.
+  torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
+  torch_npu is installed it is imported first: it replaces `gather_object` on import, and the
+  wrapper must time the function the save will call.
 """
 
 from __future__ import annotations
@@ -43,6 +45,17 @@ def save_key(name: str, round_: int) -> str:
     """A save's key in the events: its directory name, "@<round>" from the second save of that
     name on (a job that saves step-4 and then final saves optimizer_0 twice)."""
     return name if round_ == 0 else f"{name}@{round_}"
+
+
+def import_torch_npu_first() -> None:
+    """torch_npu replaces `torch.distributed.gather_object` when it is imported (on an HCCL-only
+    group: a broadcast plus an all-gather). A wrapper installed before that import would time the
+    function it replaces, and the save would never call it: where torch_npu is installed, import
+    it before wrapping."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        import torch_npu  # noqa: F401
 
 
 class SaveProbe(logging.Handler):
@@ -95,6 +108,7 @@ class SaveProbe(logging.Handler):
             raise UnsupportedVersion(f"collective timing is checked on torch {', '.join(CHECKED_TORCH)} only")
         dcp_logger().addHandler(self)
         if time_collectives:
+            import_torch_npu_first()
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
 
