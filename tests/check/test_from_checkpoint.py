@@ -85,10 +85,19 @@ def corrupt(path):
     return path
 
 
+def empty(path):
+    """A DCP checkpoint of an empty state dict (a .metadata listing nothing)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({}, checkpoint_id=path, no_dist=True)
+    return path
+
+
 @pytest.mark.parametrize("make,message", [
     (lambda p: p / "missing", "no such directory"),
     (lambda p: p, "no DCP checkpoint there (no .metadata in it or in its subdirectories)"),
     (lambda p: corrupt(p / "ckpt"), "cannot read"),
+    (lambda p: empty(p / "ckpt"), "the checkpoint lists no entries"),
 ])
 def test_check_from_a_bad_checkpoint_is_one_clear_line(tmp_path, make, message):
     target = make(tmp_path)
