@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 
-from ckptdoctor.selftest.checks import Check, merge, mtime_granularity, open_files
+from ckptdoctor.selftest.checks import Check, directory, merge, mtime_granularity, open_files, store_capacity
+from ckptdoctor.selftest.roundtrip import visible
 
-from support.faults import coarse_timestamps, small_tmpfs
+from support.faults import coarse_timestamps, read_only_bind, small_tmpfs
 from support.paths import REPO
 
 CHECKS = ["directory", "directory fsync", "open files", "store load", "model", "checkpoint group", "save (fix)",
@@ -143,3 +144,28 @@ def test_bad_input_is_refused_in_one_line():
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "ckptdoctor: error: --width must be even (the audio tower is half as wide), got 255"]
+
+
+def test_a_directory_one_rank_cannot_write_fails_the_check_naming_that_rank(tmp_path):
+    """Real fault: rank 1's directory is a read-only bind mount (as a host whose mount went read-only)."""
+    with read_only_bind(tmp_path / "ro") as read_only:
+        merged = merge([directory(tmp_path / "rw", 0), directory(read_only, 1)])
+    assert merged.ok is False and merged.values["failed_ranks"] == [1]
+    assert merged.detail.startswith("rank 1: OSError: [Errno 30] Read-only file system")
+
+
+def test_a_step_that_never_becomes_complete_fails_visibility_after_the_wait(tmp_path):
+    (tmp_path / "step-1").mkdir()  # made, never published (no marker): as a host with a stale view sees it
+    check = visible(tmp_path / "step-1", wait_s=0.5)
+    assert check.ok is False and check.detail == f"{tmp_path / 'step-1'} not complete on this rank after 0 s"
+
+
+def test_a_store_too_slow_for_the_jobs_heartbeats_fails_naming_both_rates():
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))  # a real store
+    check = store_capacity(store, rank=0, world_size=1, job_ranks=10**9, requests=20)  # heartbeats of 10^9 ranks
+    assert check.ok is False and "requests/s here; heartbeats at 1000000000 ranks need" in check.detail
+    assert store_capacity(store, rank=0, world_size=1, job_ranks=8, requests=20).ok is True
