@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from ckptdoctor.fix.compat import installed_versions
 from ckptdoctor.selftest.checks import Check, directory, merge, mtime_granularity, open_files, store_capacity
 from ckptdoctor.selftest.roundtrip import visible
 
@@ -45,6 +46,9 @@ def test_two_ranks_under_torchrun_from_the_users_directory_pass_every_check(tmp_
     assert all("equal the saved ones" in c["detail"] for c in loads)
     save = next(c for c in report["checks"] if c["name"] == "save (fix)")
     assert "save_state" in save["values"]["phases_s"]
+    format_here = "torch 2.15 or newer" if tuple(map(int, installed_versions()[0].split(".")[:2])) >= (2, 15) \
+        else "torch 2.14 or older"
+    assert save["values"]["format"].startswith(f"written by {format_here}") and save["values"]["format"] in save["detail"]
     assert "RESULT: PASS, every check passed" in proc.stdout
 
 

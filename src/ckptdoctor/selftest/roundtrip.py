@@ -81,11 +81,17 @@ def _local_bytes(tensor) -> bytes:
 
 
 def save_with_the_fix(ckpt, step_dir: Path) -> Check:
+    """Every rank: the save through the fix; its phases, and which torch can read what it wrote."""
+    from ..fix.index import read_metadata_file
+    from ..fix.metadata_format import describe_format
+
     def work():
         ckpt.save_state(step_dir / "accelerator")
         phases = {name: round(s, 3) for name, s in ckpt.last_operation.phases.items()}
         slowest = ", ".join(f"{n} {s:.2f} s" for n, s in sorted(phases.items(), key=lambda x: -x[1])[:3])
-        return True, f"published {step_dir / 'accelerator'} ({slowest})", {"phases_s": phases}
+        written = describe_format(read_metadata_file(step_dir / "accelerator" / "pytorch_model_fsdp_0"))
+        return True, f"published {step_dir / 'accelerator'} ({slowest}); {written}", {"phases_s": phases,
+                                                                                      "format": written}
     return timed("save (fix)", work)
 
 
