@@ -25,7 +25,7 @@ def test_an_unchecked_version_is_refused_in_one_line_that_names_the_override(unc
 
 
 @pytest.mark.parametrize("torch_v, accelerate_v, accepted", [
-    ("2.8.0", "1.13.0", True), ("2.15.0", "1.16.0", True),   # CI's two stacks
+    ("2.8.0", "1.13.0", True), ("2.15.0", "1.16.0", True),   # the user's stack; the newest releases
     ("2.9.1", "1.15.0", True), ("2.12.1", "1.14.0", True),   # inside both ranges
     ("2.14.0", "1.16.0", True), ("2.8.0", "1.16.0", True),   # torch_npu 2.14.0's torch; the user's torch
     ("2.7.1", "1.13.0", False), ("2.16.0", "1.16.0", False),  # below, above
