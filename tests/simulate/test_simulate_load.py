@@ -11,7 +11,7 @@ from ckptdoctor.check.load_cost_model import LoadOptions, build_records, measure
 from ckptdoctor.check.mova_model import MovaShape
 from ckptdoctor.repro.stacks import current_stack
 
-SHAPE = MovaShape.real().with_layers(2)  # real widths: a tensor has a chunk on every one of N ranks
+SHAPE = MovaShape.real().with_layers(4)  # real widths: a tensor has a chunk on every one of N ranks
 
 
 @pytest.fixture(scope="module")
