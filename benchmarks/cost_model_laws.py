@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ckptdoctor.check.cost_model import _extrapolate_linear, _extrapolate_power
 from ckptdoctor.check.layout import Layout
-from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.check.rank0 import measure_coordinator, measure_planning_ours, validation_seconds_per_tensor
 from ckptdoctor.check.state_dicts import mova_specs
 

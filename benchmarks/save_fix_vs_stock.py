@@ -31,7 +31,7 @@ def main() -> int:
     spans = {"stock": [], "fix": []}
     for i in range(args.rounds):
         for name in (("stock", "fix") if i % 2 == 0 else ("fix", "stock")):
-            opts = ReproOptions(mode=args.mode, output_dir=Path(args.out))
+            opts = ReproOptions(mode=args.mode, trainer="lookalike", output_dir=Path(args.out))
             outcome = run_job(opts, f"{name}{i}", 1800.0, progress=lambda _: None, fix=name == "fix")
             if any(r.get("status") != "ok" for r in outcome.ranks):
                 raise SystemExit(f"{name} job failed: see {outcome.log_path}")

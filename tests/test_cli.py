@@ -65,3 +65,47 @@ def test_output_directory_on_a_read_only_filesystem(read_only_dir, inside):
                             capture_output=True, text=True, timeout=120, cwd=read_only_dir.parent)
     _one_clear_line(result, "Read-only file system" if inside else "is not writable")
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_building_the_parser_imports_no_torch():
+    code = ("import sys; from ckptdoctor.cli import build_parser; build_parser(); "
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("command,flag,options,field", [
+    ("repro", "trainer", "ckptdoctor.repro.reproduce:ReproOptions", "trainer"),
+    ("repro", "ranks", "ckptdoctor.repro.reproduce:ReproOptions", "world_size"),
+    ("repro", "out", "ckptdoctor.repro.reproduce:ReproOptions", "output_dir"),
+    ("check", "layout", "ckptdoctor.check.preflight:CheckOptions", "layout"),
+    ("check", "deadline", "ckptdoctor.check.preflight:CheckOptions", "deadline_s"),
+    ("check", "warn_fraction", "ckptdoctor.check.preflight:CheckOptions", "warn_fraction"),
+    ("selftest", "width", "ckptdoctor.selftest.run:Options", "width"),
+    ("selftest", "timeout", "ckptdoctor.selftest.run:Options", "timeout_s"),
+    ("selftest", "visibility", "ckptdoctor.selftest.run:Options", "visibility_s"),
+])
+def test_a_flag_takes_its_default_from_the_options_the_command_builds(command, flag, options, field):
+    import dataclasses
+    import importlib
+
+    from ckptdoctor.cli import build_parser
+
+    required = {"check": ["--ranks", "8"], "selftest": ["--dir", "d"]}.get(command, [])
+    args = build_parser().parse_args([command, *required])
+    module, name = options.split(":")
+    default = {f.name: f.default for f in dataclasses.fields(getattr(importlib.import_module(module), name))}[field]
+    assert str(getattr(args, flag)) == str(default)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("repro", "--attempts", "0"), "--attempts must be at least 1"),
+    (("repro", "--ranks", "4"), "add --trainer lookalike"),
+    (("repro", "--trainer", "lookalike", "--integration", "minimal"), "it needs --fix"),
+    (("check", "--ranks", "8", "--warn-fraction", "2"), "--warn-fraction must be in (0, 1]"),
+    (("check", "--ranks", "12", "--layout", "hsdp:8"), "not divisible by the shard group"),
+    (("selftest", "--dir", "d", "--width", "3"), "--width must be even"),
+    (("selftest", "--dir", "d", "--steps", "0"), "--steps must be positive"),
+])
+def test_a_value_the_options_refuse_is_one_line(args, fragment):
+    _one_clear_line(_run(*args), fragment)

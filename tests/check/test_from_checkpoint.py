@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from ckptdoctor.check.layout import Layout
-from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, local_plan, plan_signature, rank_plans
 from ckptdoctor.check.state_dicts import find_checkpoints, mova_specs, read_checkpoint_entries
 from ckptdoctor.errors import CkptDoctorError

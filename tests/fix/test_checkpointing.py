@@ -195,7 +195,7 @@ def test_a_rank_killed_mid_save_aborts_the_others_by_name_and_the_previous_check
 
     from ckptdoctor.repro.config import TrainingConfig
     from ckptdoctor.repro.launcher import launch
-    from ckptdoctor.check.mova_model import MovaShape
+    from ckptdoctor.check.mova_shape import MovaShape
     from ckptdoctor.repro.worker import WorkerSpec
 
     job = JOBS / "kill_job.py"
@@ -235,7 +235,7 @@ def test_training_resumed_from_a_checkpoint_repeats_the_uninterrupted_losses_bit
 
     from ckptdoctor.repro.config import TrainingConfig
     from ckptdoctor.repro.launcher import launch
-    from ckptdoctor.check.mova_model import MovaShape
+    from ckptdoctor.check.mova_shape import MovaShape
     from ckptdoctor.repro.worker import WorkerSpec
 
     def run(name, resume_step=None):

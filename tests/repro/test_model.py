@@ -1,7 +1,8 @@
 import torch
 
-from ckptdoctor.check.mova_model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, MovaShape, build_model,
+from ckptdoctor.check.mova_model import (LORA_TARGETS, TENSORS_PER_DIT_BLOCK, DiTBlock, MOVA, build_model,
                                     tensor_counts)
+from ckptdoctor.check.mova_shape import MovaShape
 
 
 def test_dit_block_has_the_27_tensors_of_a_wan_block():

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ckptdoctor.check.layout import Layout
-from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.check.state_dicts import mova_specs
 from ckptdoctor.errors import BadLayout
 

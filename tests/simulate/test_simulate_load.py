@@ -8,7 +8,7 @@ import pytest
 
 from ckptdoctor.check.layout import Layout
 from ckptdoctor.check.load_cost_model import LoadOptions, build_records, measure_cell, on_the_chunk_line
-from ckptdoctor.check.mova_model import MovaShape
+from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.repro.stacks import current_stack
 
 SHAPE = MovaShape.real().with_layers(4)  # real widths: a tensor has a chunk on every one of N ranks

@@ -36,7 +36,7 @@ def normalised(items) -> list:
 
 @pytest.mark.parametrize("world_size,mode", [(4, "sft"), (8, "lora")])
 def test_simulated_plans_equal_the_real_ones(tmp_path, world_size, mode):
-    opts = ReproOptions(world_size=world_size, mode=mode, video_layers=2, output_dir=tmp_path)
+    opts = ReproOptions(world_size=world_size, mode=mode, trainer="lookalike", video_layers=2, output_dir=tmp_path)
     outcome = run_job(opts, "plans", 1800.0, progress=lambda _: None, time_collectives=True, fix=True)
     assert all(r.get("status") == "ok" for r in outcome.ranks), [r.get("error") for r in outcome.ranks]
     for op in ("save", "load"):

@@ -32,7 +32,7 @@ import sys
 
 from ..errors import CkptDoctorError
 from .layout import Layout
-from .mova_model import MovaShape
+from .mova_shape import MovaShape
 
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "

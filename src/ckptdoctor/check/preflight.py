@@ -5,8 +5,10 @@ deadline."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ..errors import CkptDoctorError
-from .cost_model import ScalingOptions, _fmt_s, build_records, measure_all
+from .cost_model import DEADLINE_S, ScalingOptions, _fmt_s, build_records, measure_all
 from .layout import Layout
 
 # benchmarks/extrapolation_error.py, docs/evidence/extrapolation_n256_user.txt (torch 2.8.0, MOVA sft, fsdp):
@@ -17,22 +19,43 @@ EXTRAPOLATED = ("stock figures past N = 16 are extrapolated; at N = 256 they rea
 LOAD_ANCHORS = (8, 64)  # a resume is also measured here, for the fit of stock's .metadata past its budget
 
 
-def run_check(ranks: int, layout: Layout, deadline_s: float, warn_fraction: float, *, mode: str = "sft",
-              checkpoint: str | None = None, torch_version: str | None = None, load: bool = False,
-              progress=print) -> dict:
+@dataclasses.dataclass
+class CheckOptions:
+    """One check: the job (N ranks, a layout, MOVA's saves in `mode` or a checkpoint's), the
+    deadline its saves run under and the fraction of it that warns."""
+
+    ranks: int
+    layout: Layout | str = "fsdp"     # fsdp or hsdp:S
+    mode: str = "sft"
+    checkpoint: str | None = None     # a DCP checkpoint's directory, predicted instead of MOVA's saves
+    torch_version: str | None = None  # the job's torch, checked against this interpreter's
+    load: bool = False                # also predict the resume
+    deadline_s: float = DEADLINE_S
+    warn_fraction: float = 0.5
+
+    def __post_init__(self):
+        if not 0 < self.warn_fraction <= 1:
+            raise CkptDoctorError(f"--warn-fraction must be in (0, 1], got {self.warn_fraction}")
+        if isinstance(self.layout, str):
+            self.layout = Layout.parse(self.layout)
+        self.layout.check(self.ranks)
+
+
+def run_check(opts: CheckOptions, progress=print) -> dict:
     """MOVA's model and optimizer saves (`mode`), or each DCP checkpoint under `checkpoint`,
     saved again at `ranks` ranks under `layout`; with `load`, their resume at `ranks` too."""
     from ..fix.compat import installed_versions
 
-    layout.check(ranks)
+    ranks, layout, deadline_s, warn_fraction = opts.ranks, opts.layout, opts.deadline_s, opts.warn_fraction
+    mode, checkpoint, torch_version = opts.mode, opts.checkpoint, opts.torch_version
     installed = installed_versions()[0]
     if torch_version not in (None, installed):
         raise CkptDoctorError(f"--torch {torch_version}: this interpreter has torch {installed}; run check with the "
                               f"job's interpreter (in a checkout: .venv/<stack>/bin/ckptdoctor check)")
     checkpoints, notes = _read_checkpoints(checkpoint) if checkpoint else ({}, [])
-    opts = ScalingOptions(ranks=[ranks], layouts=[layout], mode=mode, saves=tuple(checkpoints) or ("model", "optimizer"),
-                          checkpoints=checkpoints, max_validated=min(ranks, 1144))
-    records = build_records(opts, measure_all(opts, progress=progress))
+    saves = ScalingOptions(ranks=[ranks], layouts=[layout], mode=mode, saves=tuple(checkpoints) or ("model", "optimizer"),
+                           checkpoints=checkpoints, max_validated=min(ranks, 1144))
+    records = build_records(saves, measure_all(saves, progress=progress))
     if any(r["planner"] == "stock" and not r["measured"] for r in records):
         notes.append(EXTRAPOLATED)
     ours = {r["save"]: r["coordinator_s"] for r in records if r["planner"] == "ours"}
@@ -40,7 +63,7 @@ def run_check(ranks: int, layout: Layout, deadline_s: float, warn_fraction: floa
                 f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
                 f"use ckptdoctor's ScalableSavePlanner (`ckptdoctor docs fix-for-mova`): about {_fmt_s(ours[r['save']])}"
                 for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
-    load_records = _predict_loads(ranks, layout, opts, progress) if load else []
+    load_records = _predict_loads(ranks, layout, saves, progress) if opts.load else []
     warnings += [f"resume of the {r['save']} save: rank 0 reads the .metadata and exchanges load plans for about "
                  f"{_fmt_s(_stock_load_s(r))} ({_stock_load_s(r) / deadline_s:.0%} of the {_fmt_s(deadline_s)} "
                  f"deadline) with stock load_state; ScalableCheckpointing.load_state: about "

@@ -431,7 +431,7 @@ def job_specs(job: dict):
     """The state dicts a job plans: an existing checkpoint's entries, or MOVA's parameters."""
     from pathlib import Path
 
-    from .mova_model import MovaShape
+    from .mova_shape import MovaShape
     from .state_dicts import mova_specs, read_checkpoint_entries
 
     if "checkpoint" in job:

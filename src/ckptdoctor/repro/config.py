@@ -13,6 +13,9 @@ import dataclasses
 from ..errors import BadLayout
 
 WRAP_CLASSES = ("DiTBlock", "ConditionalCrossAttentionBlock")
+# The checkpoint group's timeout relative to the training deadline. docs/fix-for-mova.md
+# recommends 3 h for saves beside the 30 min default: the reproduction scales both alike.
+CHECKPOINT_TIMEOUT_FACTOR = 6.0
 
 
 @dataclasses.dataclass(frozen=True)

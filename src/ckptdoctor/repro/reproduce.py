@@ -32,10 +32,9 @@ from ..diagnose.timeline import CollectiveCall, SaveWaits, StepEvent, longest_wa
 from ..errors import CkptDoctorError
 from ..fix.compat import installed_versions
 from ..ranks import format_ranks
-from .config import TrainingConfig
+from .config import CHECKPOINT_TIMEOUT_FACTOR, TrainingConfig
 from .launcher import launch
-from ..check.mova_model import MovaShape
-from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
+from ..check.mova_shape import MovaShape
 from .worker import WorkerSpec
 
 MODEL_SAVE, OPTIMIZER_SAVE = "pytorch_model_fsdp_0", "optimizer_0"
@@ -44,6 +43,7 @@ MIN_RATIO = 1.5        # the target's wait over the longest wait that must pass,
 ADJUST = 1.25          # after a wrong attempt, a bound moves this far past the deadline that failed it
 REPORTED_DEADLINE_S = 1800.0
 DEFAULT_LAYERS = {"lookalike": 24, "mova": 24}  # separation measured in docs/evidence/repro_separation.txt
+TRAINERS = ("auto", "mova", "lookalike")
 
 
 class NotSeparable(CkptDoctorError):
@@ -54,7 +54,7 @@ class NotSeparable(CkptDoctorError):
 class ReproOptions:
     world_size: int = 8
     mode: str = "sft"
-    trainer: str = "lookalike"          # "lookalike" (repro/trainer.py), "mova" (MOVA's own, repro/mova) or "auto"
+    trainer: str = "auto"               # "lookalike" (repro/trainer.py), "mova" (MOVA's own, repro/mova) or "auto"
     video_layers: int | None = None     # None: DEFAULT_LAYERS[trainer]
     output_dir: Path = Path("runs/repro")
     deadline_s: float | None = None     # None: chosen from the calibration run
@@ -67,13 +67,39 @@ class ReproOptions:
     job_timeout_s: float = 1200.0
 
     def __post_init__(self):
+        self.training_config()  # the layout first: its errors name the world size
+        for problem in self.problems():
+            raise CkptDoctorError(problem)
         # Made absolute once, here: every job below crosses a process boundary, and MOVA's ranks chdir.
         self.output_dir = Path(self.output_dir).absolute()
         if self.extract is not None:
             self.extract = str(Path(self.extract).absolute())
 
+    def problems(self):
+        """What makes these options unrunnable, in the order a user should fix it."""
+        if self.world_size < 2:
+            yield (f"a reproduction needs at least 2 ranks (a coordinator and a peer that waits for it), "
+                   f"got {self.world_size}")
+        if self.video_layers is not None and self.video_layers < 1:
+            yield f"--layers must be at least 1, got {self.video_layers}"
+        if self.attempts < 1:
+            yield f"--attempts must be at least 1, got {self.attempts}"
+        if self.trainer not in TRAINERS:
+            yield f"unknown trainer {self.trainer!r}; expected 'auto', 'mova' or 'lookalike'"
+        if self.trainer != "lookalike" and (self.cp_size > 1 or not self.offload_params or self.world_size != 8):
+            yield ("MOVA's trainer runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, offload): "
+                   "--ranks, --cp and --no-offload are the look-alike trainer's (add --trainer lookalike)")
+        if self.integration not in ("full", "minimal"):
+            yield f"unknown integration {self.integration!r}; expected 'full' or 'minimal'"
+        if self.integration != "full" and not self.fix:
+            yield "--integration chooses how the fix reaches MOVA's trainer: it needs --fix"
+        if self.cp_size > 1 and self.deadline_s is None:
+            yield "--cp > 1 puts training on the default group, so it needs an explicit long --deadline"
+
     @property
     def layers(self) -> int:
+        if self.trainer not in DEFAULT_LAYERS:
+            raise CkptDoctorError("the trainer is chosen (trainer_for) before its layers are read")
         return self.video_layers or DEFAULT_LAYERS[self.trainer]
 
     def training_config(self, max_steps: int = 1) -> TrainingConfig:
@@ -172,8 +198,6 @@ def trainer_for(opts: ReproOptions, progress=print):
     """The trainer to run: "auto" takes MOVA's own when its extract is here, else the look-alike."""
     from .mova.job import Extract, ExtractProblem
 
-    if opts.trainer not in ("lookalike", "mova", "auto"):
-        raise CkptDoctorError(f"unknown trainer {opts.trainer!r}; expected 'auto', 'mova' or 'lookalike'")
     if opts.trainer == "auto":
         try:
             Extract.find(opts.extract)

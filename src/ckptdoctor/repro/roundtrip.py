@@ -12,10 +12,6 @@ import torch
 
 from ..fix.checkpointing import ScalableCheckpointing
 
-# The checkpoint group's timeout relative to the training deadline. docs/fix-for-mova.md
-# recommends 3 h for saves beside the 30 min default: the reproduction scales both alike.
-CHECKPOINT_TIMEOUT_FACTOR = 6.0
-
 
 def local_state(model, optimizer) -> dict[str, object]:
     """This rank's model and optimizer state, flattened, local shards cloned."""

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from ..selftest.accelerate_cpu import enable_fsdp_on_cpu
 from .training_group import use_training_group
 from .config import TrainingConfig, fsdp_plugin_kwargs, parallelism_kwargs
-from ..check.mova_model import MovaShape, build_model
+from ..check.mova_model import build_model
+from ..check.mova_shape import MovaShape
 
 
 @dataclasses.dataclass

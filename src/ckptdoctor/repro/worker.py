@@ -19,8 +19,8 @@ import time
 import traceback
 from pathlib import Path
 
-from .config import TrainingConfig
-from ..check.mova_model import MovaShape
+from .config import CHECKPOINT_TIMEOUT_FACTOR, TrainingConfig
+from ..check.mova_shape import MovaShape
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ def run(spec: WorkerSpec) -> int:
     keep_evidence_on_sigterm(report)
     save_hook = None
     if spec.fix:  # the default group keeps the scaled deadline; saves move to their own group
-        from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR, FixedSave
+        from .roundtrip import FixedSave
         save_hook = FixedSave(checkpoint_timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)
     try:
         trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, training_group, save_hook)
@@ -158,7 +158,6 @@ def run(spec: WorkerSpec) -> int:
 def resume(trainer, spec: WorkerSpec, save_hook) -> None:
     """Continue from a published checkpoint, as MOVA's _resume_checkpoint would with the fix."""
     from ..fix.checkpointing import ScalableCheckpointing
-    from .roundtrip import CHECKPOINT_TIMEOUT_FACTOR
 
     checkpointing = ScalableCheckpointing(trainer.accelerator,
                                           timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)

@@ -12,6 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
+from ..errors import CkptDoctorError
 from .checks import Check, directory, directory_fsync, free_space, merge, mtime_granularity, open_files, store_capacity
 
 
@@ -30,6 +31,15 @@ class Options:
     backend: str | None = None
     timeout_s: float = 1800.0
     keep: bool = False
+
+    def __post_init__(self):
+        for flag, value in (("width", self.width), ("layers", self.layers), ("steps", self.steps),
+                            ("timeout", self.timeout_s), ("visibility", self.visibility_s)):
+            if value <= 0:
+                raise CkptDoctorError(f"--{flag} must be positive, got {value}")
+        if self.width % 2:
+            raise CkptDoctorError(f"--width must be even (the audio tower is half as wide), got {self.width}")
+        self.dir = Path(self.dir)
 
 
 def run(opts: Options, progress=print) -> tuple[int, dict | None]:

@@ -24,7 +24,8 @@ from mova.engine.utils.base_pipeline import BasePipeline
 from mova.registry import DATASETS, DIFFUSION_PIPELINES
 from torch.utils.data import Dataset
 
-from ...check.mova_model import MOVA, MovaShape
+from ...check.mova_model import MOVA
+from ...check.mova_shape import MovaShape
 
 TRAIN_MODULES = ["video_dit", "video_dit_2", "audio_dit", "dual_tower_bridge"]
 
