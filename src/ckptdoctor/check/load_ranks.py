@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .layout import Layout
 from .rank0 import _rss_bytes, init_fake_world, job_specs, print_job_result
-from .state_dicts import build_state_dict
+from .state_dicts import METADATA, build_state_dict
 
 
 def derived_metadata(save: str, specs, ranks: int, layout: Layout, rank: int = 0):
@@ -91,8 +91,8 @@ def write_stock(save: str, specs, ranks: int, layout: Layout, directory: Path) -
     """`.metadata` as stock DCP writes it for this save; its size."""
     metadata, _ = derived_metadata(save, specs, ranks, layout)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / ".metadata").write_bytes(pickle.dumps(stock_written(metadata, ranks)))
-    return {"metadata_bytes": (directory / ".metadata").stat().st_size}
+    (directory / METADATA).write_bytes(pickle.dumps(stock_written(metadata, ranks)))
+    return {"metadata_bytes": (directory / METADATA).stat().st_size}
 
 
 def write_ours(save: str, specs, ranks: int, layout: Layout, directory: Path, with_metadata: bool) -> dict:
@@ -114,10 +114,10 @@ def write_ours(save: str, specs, ranks: int, layout: Layout, directory: Path, wi
     if with_metadata:
         written = WrittenItems(paths, *(array.array("q", t.tolist()) for t in (key, chunk, path, offset, length)))
         blob = pickle.dumps(_with_storage_columns(metadata, StorageColumns([written], metadata)))
-        (directory / ".metadata").write_bytes(blob)
+        (directory / METADATA).write_bytes(blob)
         sizes["metadata_bytes"] = len(blob)
     else:
-        (directory / ".metadata").write_bytes(b"")  # the index names the .metadata it describes
+        (directory / METADATA).write_bytes(b"")  # the index names the .metadata it describes
     write_index(directory, metadata, IndexColumns(paths, path.to(torch.int32), offset, length))
     sizes["index_bytes"] = (directory / INDEX_NAME).stat().st_size
     return sizes

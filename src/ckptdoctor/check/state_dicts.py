@@ -13,10 +13,11 @@ import dataclasses
 from pathlib import Path
 
 from ..errors import CkptDoctorError
+from ..fix.index import METADATA_NAME
 from ..fix.metadata_format import describe_format, newer_format_problem
 from .layout import Layout
 
-METADATA = ".metadata"
+METADATA = METADATA_NAME  # DCP's file name, defined once (fix/index.py)
 
 
 class ParameterSpecs(list):

@@ -105,10 +105,10 @@ def publish(staging: Path, opened: Staging) -> str:
 
 
 def _unpublishable(staging: Path, opened: Staging) -> str | None:
-    missing = [c for c in opened.checkpoints if not (staging / c / ".metadata").is_file()]
+    missing = [c for c in opened.checkpoints if not (staging / c / METADATA_NAME).is_file()]
     if missing:
         return f"DCP checkpoint(s) {', '.join(missing)} have no .metadata"
-    unwrapped = sorted(str(m.parent.relative_to(staging)) for m in staging.rglob(".metadata")
+    unwrapped = sorted(str(m.parent.relative_to(staging)) for m in staging.rglob(METADATA_NAME)
                        if str(m.parent.relative_to(staging)) not in opened.checkpoints)
     if unwrapped:
         return (f"DCP checkpoint(s) {', '.join(unwrapped)} were saved without ckptdoctor's planner (a dcp.save bound "
@@ -157,7 +157,7 @@ def is_complete(path: Path) -> bool:
         marker = json.loads((path / COMPLETE_MARKER).read_text())
     except (OSError, ValueError):
         return False
-    return all((path / c / ".metadata").is_file() for c in marker.get("dcp_checkpoints", []))
+    return all((path / c / METADATA_NAME).is_file() for c in marker.get("dcp_checkpoints", []))
 
 
 def legacy_complete(path: Path) -> bool:
@@ -171,7 +171,7 @@ def legacy_complete(path: Path) -> bool:
     if _being_written(path) or _being_written(state):
         return False
     models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
-    return bool(models and optimizers) and all((d / ".metadata").is_file() for d in models + optimizers) and \
+    return bool(models and optimizers) and all((d / METADATA_NAME).is_file() for d in models + optimizers) and \
         (state / "random_states_0.pkl").is_file()
 
 

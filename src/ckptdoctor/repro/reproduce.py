@@ -31,6 +31,7 @@ from ..diagnose import callpath
 from ..diagnose.timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
 from ..errors import CkptDoctorError
 from ..fix.compat import installed_versions
+from ..fix.index import METADATA_NAME
 from ..ranks import format_ranks
 from .config import CHECKPOINT_TIMEOUT_FACTOR, TrainingConfig
 from .launcher import launch
@@ -309,7 +310,7 @@ def failing_rank_report(outcome: JobOutcome) -> dict | None:
 
 def save_completed(outcome: JobOutcome, save: str) -> bool:
     """All ranks finished writing the first such save, and its metadata file exists."""
-    metadata = outcome.checkpoint_dir / save / ".metadata"
+    metadata = outcome.checkpoint_dir / save / METADATA_NAME
     writers = {e.rank for e in outcome.events if e.save == save and e.step == "write_data" and e.event == "end"}
     return metadata.exists() and len(writers) == len(outcome.ranks)
 
