@@ -44,7 +44,7 @@ def test_the_gate_accepts_the_checked_ranges_and_nothing_else(monkeypatch, torch
 
 def test_the_override_warns_once_and_lets_it_run(unchecked_torch, monkeypatch, caplog):
     monkeypatch.setenv(compat.OVERRIDE, "1")
-    with caplog.at_level(logging.WARNING, logger="ckptdoctor.compat"):
+    with caplog.at_level(logging.WARNING, logger="ckptdoctor.fix.compat"):
         compat.check_versions()
         compat.check_versions()
         compat.check_torch("ScalableSavePlanner")

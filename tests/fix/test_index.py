@@ -96,7 +96,7 @@ def test_a_damaged_index_is_ignored_and_the_reader_falls_back_to_the_metadata(tm
                "old-version": data.replace(b'"version": 2', b'"version": 1', 1),
                "header": data.replace(b'"version": 2', b'"version": 2, "x": 1', 1)}[damage]
     index.write_bytes(damaged)
-    with caplog.at_level(logging.INFO, logger="ckptdoctor.index"):
+    with caplog.at_level(logging.INFO, logger="ckptdoctor.fix.index"):
         assert read_index(tmp_path) is None
     assert str(index) in caplog.text or "version 1" in caplog.text
     reader = ScalableFileSystemReader(str(tmp_path))

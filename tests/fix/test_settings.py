@@ -51,7 +51,7 @@ def test_the_log_level_applies_to_every_ckptdoctor_logger():
     before = logger.level
     try:
         Settings.resolve(environ={"CKPTDOCTOR_LOG_LEVEL": "INFO"}).apply_log_level()
-        assert logging.getLogger("ckptdoctor.checkpointing").getEffectiveLevel() == logging.INFO
+        assert logging.getLogger("ckptdoctor.fix.checkpointing").getEffectiveLevel() == logging.INFO
     finally:
         logger.setLevel(before)
 

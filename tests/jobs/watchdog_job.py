@@ -54,7 +54,7 @@ def main() -> int:
     out = Path(sys.argv[1])
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stdout)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    logging.getLogger("ckptdoctor.watchdog").addHandler(SUMMARY)
+    logging.getLogger("ckptdoctor.fix.watchdog").addHandler(SUMMARY)
     state = {"w": torch.full((4,), float(dist.get_rank()))}
     with SaveWatchdog(deadline_s=8.0, fraction=0.25, out_dir=out / "watchdog", interval_s=0.2, summary_delay_s=1.0):
         dcp.save(state, checkpoint_id=out / "ckpt", planner=SlowCoordinator(out, dist.get_world_size()))

@@ -73,7 +73,7 @@ from .publish import (Staging, complete_steps, counts_as_checkpoint, leftover_pl
                       remove_leftovers, set_aside_incomplete_steps, why_incomplete)
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
-log = logging.getLogger("ckptdoctor.checkpointing")
+log = logging.getLogger(__name__)
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 OWNER = "_ckptdoctor_owner"  # set on an Accelerator by the ScalableCheckpointing that saves its state
 

@@ -22,7 +22,7 @@ from importlib import metadata
 from ..errors import UnsupportedVersion
 
 OVERRIDE = "CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS"
-log = logging.getLogger("ckptdoctor.compat")
+log = logging.getLogger(__name__)
 _warned: set[str] = set()
 
 CHECKED = {"torch": ("2.8.0", "2.15.0"), "accelerate": ("1.13.0", "1.16.0")}  # (lowest, highest), inclusive

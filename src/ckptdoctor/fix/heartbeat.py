@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-log = logging.getLogger("ckptdoctor.checkpointing")
+log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0      # during a checkpoint each rank posts a heartbeat this often
 LOST_RANK_S = 300.0    # a rank silent this long (with its connections open) is taken as lost
 EXIT_LOST_RANK = 75    # the exit code when a rank is lost (EX_TEMPFAIL: the launcher may restart)

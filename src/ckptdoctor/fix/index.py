@@ -51,7 +51,7 @@ INDEX_NAME = ".ckptdoctor-index"
 METADATA_NAME = ".metadata"
 MAGIC = b"ckptdoctor-index\n"
 VERSION = 2  # 2: bound to .metadata by identity and sha256 (1: size and mtime only)
-log = logging.getLogger("ckptdoctor.index")
+log = logging.getLogger(__name__)
 COLUMNS = (("path", "i", 4), ("offset", "q", 8), ("length", "q", 8))  # name, array typecode, bytes
 
 

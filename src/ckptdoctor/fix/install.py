@@ -34,7 +34,7 @@ import os
 
 from ..errors import CkptDoctorError
 
-log = logging.getLogger("ckptdoctor.install")
+log = logging.getLogger(__name__)
 
 
 def install(accelerator, **settings):

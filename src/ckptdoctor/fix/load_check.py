@@ -13,7 +13,7 @@ from pathlib import Path
 from .index import (INDEX_NAME, METADATA_NAME, CorruptCheckpoint, NotIndexable, data_file_extents, read_index,
                     read_metadata_file, write_index)
 
-log = logging.getLogger("ckptdoctor.checkpointing")
+log = logging.getLogger(__name__)
 
 
 def prepare_for_load(state_dir: Path) -> str:

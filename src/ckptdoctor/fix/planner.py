@@ -69,7 +69,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from ..errors import CkptDoctorError
 from .compat import check_torch
 
-log = logging.getLogger("ckptdoctor.planner")
+log = logging.getLogger(__name__)
 
 
 class NotDerivable(CkptDoctorError):

@@ -40,7 +40,7 @@ from torch.futures import Future
 from .index import IndexColumns, NotIndexable, read_index, read_metadata_file, row_bases, write_index
 from .planner import IncompleteWrite, coverage_problems
 
-log = logging.getLogger("ckptdoctor.storage")
+log = logging.getLogger(__name__)
 
 
 class ScalableFileSystemWriter(FileSystemWriter):

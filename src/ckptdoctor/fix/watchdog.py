@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..ranks import format_ranks
 
-log = logging.getLogger("ckptdoctor.watchdog")
+log = logging.getLogger(__name__)
 STORE_PREFIX = "ckptdoctor/watchdog/"
 
 # (DCP step, event) -> the phase this rank is in from then on
