@@ -69,33 +69,33 @@ class ReproOptions:
 
     def __post_init__(self):
         self.training_config()  # the layout first: its errors name the world size
-        for problem in self.problems():
-            raise CkptDoctorError(problem)
+        self._refuse_what_cannot_run()
         # Made absolute once, here: every job below crosses a process boundary, and MOVA's ranks chdir.
         self.output_dir = Path(self.output_dir).absolute()
         if self.extract is not None:
             self.extract = str(Path(self.extract).absolute())
 
-    def problems(self):
-        """What makes these options unrunnable, in the order a user should fix it."""
+    def _refuse_what_cannot_run(self) -> None:
+        """One line for the first thing that makes these options unrunnable."""
         if self.world_size < 2:
-            yield (f"a reproduction needs at least 2 ranks (a coordinator and a peer that waits for it), "
-                   f"got {self.world_size}")
+            raise CkptDoctorError(f"a reproduction needs at least 2 ranks (a coordinator and a peer that waits for "
+                                  f"it), got {self.world_size}")
         if self.video_layers is not None and self.video_layers < 1:
-            yield f"--layers must be at least 1, got {self.video_layers}"
+            raise CkptDoctorError(f"--layers must be at least 1, got {self.video_layers}")
         if self.attempts < 1:
-            yield f"--attempts must be at least 1, got {self.attempts}"
+            raise CkptDoctorError(f"--attempts must be at least 1, got {self.attempts}")
         if self.trainer not in TRAINERS:
-            yield f"unknown trainer {self.trainer!r}; expected 'auto', 'mova' or 'lookalike'"
+            raise CkptDoctorError(f"unknown trainer {self.trainer!r}; expected 'auto', 'mova' or 'lookalike'")
         if self.trainer != "lookalike" and (self.cp_size > 1 or not self.offload_params or self.world_size != 8):
-            yield ("MOVA's trainer runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, offload): "
-                   "--ranks, --cp and --no-offload are the look-alike trainer's (add --trainer lookalike)")
+            raise CkptDoctorError("MOVA's trainer runs MOVA's own accelerate config (fsdp_8.yaml: 8 ranks, cp 4, "
+                                  "offload): --ranks, --cp and --no-offload are the look-alike trainer's (add "
+                                  "--trainer lookalike)")
         if self.integration not in ("full", "minimal"):
-            yield f"unknown integration {self.integration!r}; expected 'full' or 'minimal'"
+            raise CkptDoctorError(f"unknown integration {self.integration!r}; expected 'full' or 'minimal'")
         if self.integration != "full" and not self.fix:
-            yield "--integration chooses how the fix reaches MOVA's trainer: it needs --fix"
+            raise CkptDoctorError("--integration chooses how the fix reaches MOVA's trainer: it needs --fix")
         if self.cp_size > 1 and self.deadline_s is None:
-            yield "--cp > 1 puts training on the default group, so it needs an explicit long --deadline"
+            raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
 
     @property
     def layers(self) -> int:
