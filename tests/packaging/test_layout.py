@@ -54,7 +54,7 @@ def test_log_diagnosis_needs_no_torch():
 MAY_IMPORT = {
     "fix": ("ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
     "check": ("ckptdoctor.check", "ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
-    "selftest": ("ckptdoctor.selftest", "ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks"),
+    "selftest": ("ckptdoctor.selftest", "ckptdoctor.fix", "ckptdoctor.errors", "ckptdoctor.ranks", "ckptdoctor.ports"),
     "diagnose": ("ckptdoctor.diagnose", "ckptdoctor.errors", "ckptdoctor.ranks"),
 }
 

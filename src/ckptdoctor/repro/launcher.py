@@ -14,12 +14,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from ..ports import free_port
 
 
 @dataclasses.dataclass
@@ -28,12 +29,6 @@ class JobResult:
     log_path: Path
     wall_s: float
     torn_down: list[int]  # ranks the launcher had to terminate
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pump(stream, rank: int, log, lock: threading.Lock, echo) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
 
 from ..errors import CkptDoctorError
+from ..ports import free_port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +51,7 @@ def start(backend: str | None, timeout_s: float) -> Job:
         device = "cpu"  # asked for gloo only: the model stays on the CPU
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "npu":
         torch.npu.set_device(local_rank)
@@ -62,9 +62,3 @@ def start(backend: str | None, timeout_s: float) -> Job:
     except (ValueError, RuntimeError) as error:
         raise CkptDoctorError(f"cannot start the process group with backend {backend!r}: {error}") from None
     return Job(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
