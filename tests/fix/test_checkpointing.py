@@ -11,6 +11,7 @@ import torch
 from ckptdoctor.errors import CkptDoctorError
 from ckptdoctor.fix import heartbeat, publish as publishing
 from ckptdoctor.fix.adapters import adapter_state_dict
+from ckptdoctor.fix.agreement import OK
 from ckptdoctor.fix.heartbeat import Heartbeat
 from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
 from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, WRITING_MARKER, Staging, counts_as_checkpoint,
@@ -41,7 +42,7 @@ def staged(root, name="step-1", token="ab12", checkpoints=("accelerator/optimize
 
 def test_publish_renames_then_marks_and_the_result_counts(tmp_path):
     staging, opened = staged(tmp_path)
-    assert publish(staging, opened) == "published"
+    assert publish(staging, opened) == OK
     final = tmp_path / "step-1"
     assert not staging.exists() and is_complete(final)
     assert json.loads((final / COMPLETE_MARKER).read_text())["dcp_checkpoints"] == ["accelerator/optimizer_0"]
@@ -480,7 +481,7 @@ def real_step(root, step, token):
     dcp.save({"w": torch.full((16,), float(step))},
              storage_writer=ScalableFileSystemWriter(opened.staging() / "accelerator" / "optimizer_0"))
     opened.checkpoints.append("accelerator/optimizer_0")
-    assert publish(opened.staging(), opened) == "published"
+    assert publish(opened.staging(), opened) == OK
     return root / f"step-{step}"
 
 
@@ -505,7 +506,7 @@ def test_the_next_successful_commit_removes_earlier_saves_leftovers_and_nothing_
     opened = Staging(tmp_path / "step-200", ours)
     dcp_dir(opened.staging() / "accelerator" / "optimizer_0")
     opened.checkpoints.append("accelerator/optimizer_0")
-    assert publish_and_tidy(opened.staging(), opened) == "published"
+    assert publish_and_tidy(opened.staging(), opened) == OK
     assert not dead_staging.exists() and not redundant.exists()
     assert kept_replaced.exists() and later_staging.exists() and is_complete(tmp_path / "step-200")
 
@@ -522,7 +523,7 @@ def level1_step(root, step, token, complete=True):
     dcp_dir(opened.staging() / "optimizer_0", metadata=complete)
     opened.checkpoints.append("optimizer_0")
     if complete:
-        assert publish(opened.staging(), opened) == "published"
+        assert publish(opened.staging(), opened) == OK
     else:
         (directory / "accelerator").mkdir()  # MOVA makes it before calling save_state
     return directory
@@ -580,7 +581,7 @@ def test_the_next_save_removes_level1_leftovers_in_the_save_root_and_inside_its_
     later.mkdir(parents=True)
     dcp_dir(opened.staging() / "optimizer_0")
     opened.checkpoints.append("optimizer_0")
-    assert publish_and_tidy(opened.staging(), opened) == "published"
+    assert publish_and_tidy(opened.staging(), opened) == OK
     leftovers = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if INCOMPLETE in p.name)
     assert leftovers == [str(later.relative_to(tmp_path))]
     assert not stale.exists() and is_complete(inner / "accelerator") and is_complete(tmp_path / "step-16" / "accelerator")

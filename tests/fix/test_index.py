@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from ckptdoctor.fix.agreement import OK
 from ckptdoctor.fix.index import (INDEX_NAME, CorruptCheckpoint, NotIndexable, columns_from_storage_data,
                                   data_file_extents, read_index, read_metadata_file, write_index)
 from ckptdoctor.fix.storage import ScalableFileSystemReader, index_columns
@@ -111,7 +112,7 @@ def test_prepare_for_load_rebuilds_a_damaged_index(tmp_path):
     index.write_bytes(b"")
     for name, extent in data_file_extents(stock.storage_data).items():
         (index.parent / name).write_bytes(b"\0" * extent)
-    assert prepare_for_load(tmp_path / "accelerator") == "ok"
+    assert prepare_for_load(tmp_path / "accelerator") == OK
     assert describe_metadata(read_index(index.parent)) == describe_metadata(stock)
 
 

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from ckptdoctor.fix.agreement import OK
 from ckptdoctor.fix.index import INDEX_NAME, read_metadata_file, write_index
 
 from test_checkpointing import checkpoint_job
@@ -83,7 +84,7 @@ def test_a_stock_checkpoint_on_a_read_only_mount_loads_without_its_index(saved, 
     shutil.copytree(saved / "stock", state / "optimizer_0")
     with read_only_bind(state / "optimizer_0"):  # the checkpoint; the jobs' reports go beside it
         with caplog.at_level(logging.INFO, logger="ckptdoctor"):
-            assert prepare_for_load(state) == "ok"
+            assert prepare_for_load(state) == OK
         assert "stays without an index (" in caplog.text and "Read-only file system" in caplog.text
         reports = run(tmp_path, 4, "load", state / "optimizer_0", "ours")
         assert [r["mismatches"] for r in reports] == [[]] * 4  # every value, bit for bit

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptdoctor.fix import publish as publishing
+from ckptdoctor.fix.agreement import OK
 from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
 from ckptdoctor.fix.publish import COMPLETE_MARKER, STEP_NAME, WRITING_MARKER, Staging, new_token, prepare
 from ckptdoctor.fix.storage import ScalableFileSystemReader, ScalableFileSystemWriter
@@ -59,7 +60,7 @@ def save(root, step, value, mode):
         opened.checkpoints.append(f"accelerator/{name}")
     (opened.staging() / "accelerator" / "random_states_0.pkl").write_bytes(b"r")  # whole, as a stock save
     (opened.staging() / "trainer_state.json").write_text(json.dumps({"step": step}))
-    assert publish_and_tidy(opened.staging(), opened) == "published"
+    assert publish_and_tidy(opened.staging(), opened) == OK
 
 
 def loaded_value(step_dir) -> float:

@@ -15,15 +15,18 @@ from ..errors import CkptDoctorError
 from ..ranks import format_ranks
 
 
+OK = "ok"  # a step that succeeded; any other outcome is one line saying why not
+
+
 class CheckpointAborted(CkptDoctorError):
     """A save or load could not finish on every rank; nothing was published."""
 
 
 def attempt(work) -> tuple[str, object]:
-    """("ok", result) or ("failed", one line saying why). DCP's CheckpointException is a
+    """(OK, result) or ("failed", one line saying why). DCP's CheckpointException is a
     BaseException, so only interpreter exits pass through."""
     try:
-        return "ok", work()
+        return OK, work()
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:  # noqa: BLE001 - every failure is reported to every rank
@@ -50,7 +53,7 @@ def rank0_decides(group, what: str, work):
     box = [attempt(work) if dist.get_rank(group) == 0 else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     status, value = box[0]
-    if status != "ok":
+    if status != OK:
         raise CheckpointAborted(f"checkpoint aborted at '{what}': rank 0: {value}")
     return value
 
@@ -63,7 +66,7 @@ def every_rank_agrees(group, what: str, work):
     outcome = attempt(work)
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, outcome, group=group)
-    failed = [(rank, reason) for rank, (status, reason) in enumerate(everyone) if status != "ok"]
+    failed = [(rank, reason) for rank, (status, reason) in enumerate(everyone) if status != OK]
     if failed:
         raise CheckpointAborted(f"checkpoint aborted at '{what}': rank(s) {format_ranks([r for r, _ in failed])}: "
                                 f"{failed[0][1]}")

@@ -66,7 +66,7 @@ from .heartbeat import Heartbeat, _exit_lost, _log_lost, job_store, store_host
 from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
-from .agreement import CheckpointAborted, every_rank_agrees, rank0_decides
+from .agreement import OK, CheckpointAborted, every_rank_agrees, rank0_decides
 from .settings import Settings
 from .summary import OperationRecord, make_visible
 from .publish import (Staging, complete_steps, counts_as_checkpoint, leftover_places, new_token, prepare, publish,
@@ -147,7 +147,7 @@ class ScalableCheckpointing:
             save_root = None if self.settings.save_root is None else Path(self.settings.save_root)
             verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened, save_root, self._horizon,
                                                                               self._failed_tokens))
-            if verdict != "published":
+            if verdict != OK:
                 raise CheckpointAborted(f"{staging} was not published: {verdict}")
         except BaseException:
             self._failed_tokens.add(opened.token)
@@ -195,7 +195,7 @@ class ScalableCheckpointing:
         try:
             self._every_rank_agrees("check the checkpoint", lambda: require_complete(path))
             verdict = self._rank0_decides("check the data files", lambda: prepare_for_load(path))
-            if verdict != "ok":
+            if verdict != OK:
                 raise CheckpointAborted(f"not loading {path}: {verdict}")
             self._every_rank_agrees("load_state", lambda: self._load(path, accelerate_kwargs))
         except BaseException:
@@ -443,7 +443,7 @@ def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = No
     step directories (a failure there is logged: the step is published). Dead: begun before
     `horizon` (default: this save's start) or listed in `dead` (publish.remove_leftovers)."""
     verdict = publish(staging, opened)
-    if verdict != "published":
+    if verdict != OK:
         return verdict
     for place in leftover_places(opened.final, save_root):
         try:
@@ -460,7 +460,7 @@ def newest_loadable(root, subdir: str | None = None, legacy: bool = True) -> Pat
     auto-restarting job resumes from the step before it instead of failing on it forever."""
     for path in complete_steps(root, subdir, legacy):
         problem = prepare_for_load(path)
-        if problem == "ok":
+        if problem == OK:
             return path
         log.warning("ckptdoctor: not resuming from %s: %s; trying the step before it", path, problem)
     return None

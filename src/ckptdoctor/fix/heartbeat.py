@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from .agreement import OK
+
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 1.0      # during a checkpoint each rank posts a heartbeat this often
 LOST_RANK_S = 300.0    # a rank silent this long (with its connections open) is taken as lost
@@ -77,7 +79,7 @@ class Heartbeat:
 
     def open_verdict(self, token: str) -> None:
         """Rank 0, before it tells the others `token`: the key they will read exists."""
-        self.store.set(f"{self.prefix}verdict/{token}", "ok")
+        self.store.set(f"{self.prefix}verdict/{token}", OK)
 
     def start(self, token: str) -> None:
         """Every rank, after a collective every rank took part in (the token broadcast)."""
@@ -119,7 +121,7 @@ class Heartbeat:
                     verdict, beat0 = (v.decode() for v in self.store.multi_get([self.verdict_key, self.key(0)]))
                     if watch.update({0: beat0}):
                         verdict = f"rank 0 stopped answering for {self.lost_after_s:.0f} s"
-                if verdict != "ok":
+                if verdict != OK:
                     self.on_lost(self.rank, verdict)
                     return
         except Exception as error:  # noqa: BLE001 - the store went away: rank 0's process or the agent

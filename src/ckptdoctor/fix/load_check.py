@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .agreement import OK
 from .index import (INDEX_NAME, METADATA_NAME, CorruptCheckpoint, NotIndexable, data_file_extents, read_index,
                     read_metadata_file, write_index)
 
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def prepare_for_load(state_dir: Path) -> str:
     """Rank 0, before a load: every DCP checkpoint in `state_dir` has its index (made now, once,
-    for a checkpoint stock DCP wrote) and every data file its chunks need, whole. Returns "ok" or
+    for a checkpoint stock DCP wrote) and every data file its chunks need, whole. Returns OK or
     the first problem, naming the file."""
     try:
         checkpoints = dcp_checkpoints(Path(state_dir))
@@ -31,7 +32,7 @@ def prepare_for_load(state_dir: Path) -> str:
                     return f"{file} is truncated: {file.stat().st_size} bytes, its chunks reach {extent}"
     except CorruptCheckpoint as problem:
         return str(problem)
-    return "ok"
+    return OK
 
 
 def dcp_checkpoints(root: Path, depth: int = 2) -> list[Path]:

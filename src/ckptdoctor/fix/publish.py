@@ -42,6 +42,7 @@ import shutil
 import time
 from pathlib import Path
 
+from .agreement import OK
 from .index import METADATA_NAME
 
 INCOMPLETE = ".incomplete-"
@@ -82,7 +83,7 @@ def prepare(opened: Staging) -> None:
 
 def publish(staging: Path, opened: Staging) -> str:
     """Rank 0: check what every rank wrote, then make it count: rename it into place and mark
-    it (rename mode), or mark it where it is (in place). Returns "published" or why not (then
+    it (rename mode), or mark it where it is (in place). Returns OK or why not (then
     nothing new counts)."""
     problem = _unpublishable(staging, opened)
     if problem:
@@ -90,7 +91,7 @@ def publish(staging: Path, opened: Staging) -> str:
     if opened.mode == "in_place":
         _write_durably(staging / COMPLETE_MARKER, _marker(opened))
         _remove_durably(staging / WRITING_MARKER)  # a crash before this leaves a marked, complete step
-        return "published"
+        return OK
     final = opened.final
     replaced = final.with_name(f"{final.name}{REPLACED}{opened.token}") if final.exists() else None
     if replaced is not None:
@@ -101,7 +102,7 @@ def publish(staging: Path, opened: Staging) -> str:
     fsync_directory(final.parent)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
-    return "published"
+    return OK
 
 
 def _unpublishable(staging: Path, opened: Staging) -> str | None:
