@@ -1,6 +1,6 @@
 """Observe a running save without changing it: DCP's logger events and timed collectives.
 
-Two probes, both read-only:
+Three probes, all read-only:
 
 * torch wraps the steps of `dcp.save` in `_dcp_method_logger`, which logs start/end events
   with nanosecond timestamps to its DCP logger at DEBUG level; a logging handler there sees
@@ -15,8 +15,8 @@ Two probes, both read-only:
 * with `time_collectives`, `DefaultSavePlanner.create_local_plan` (the planner Accelerate
   passes to `dist_cp.save`) is wrapped too, to keep each rank's local plan: the simulator
   is tested against these real plans item by item.
-  This is the one monkeypatch in the project: pass-through wrappers, checked against the
-  torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
+  These are the lab's monkeypatches (the product's are `selftest/accelerate_cpu.py`'s, for
+  CPU-only hosts): pass-through wrappers, checked against the torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
   torch_npu is installed it is imported first: it replaces `gather_object` on import, and the
   wrapper must time the function the save will call.
 """

@@ -15,5 +15,6 @@ it also times stock DCP's plan exchange on the same state, on a group with its o
 
 Rank 0 prints one screen of verdicts and writes JSON; every rank exits 0 only when every check
 passed (1 otherwise, 2 for bad input). Modules: `backend` (launcher, backend, device), `model`,
-`checks` (the cluster's file system and limits), `roundtrip` (save and loads), `report`.
+`checks` (the cluster's file system and limits), `roundtrip` (save and loads), `run` (the order
+of work and the report), `accelerate_cpu` (Accelerate's FSDP path on CPU-only hosts).
 """
