@@ -7,6 +7,9 @@ on one rank and that rank left, the others would wait in their next collective f
 checkpoint group's timeout (hours). So each such step ends in a collective that carries its
 outcome: a rank that failed still takes part, with its reason, and every rank raises the same
 CheckpointAborted naming the failed rank(s) and the first reason, within one collective.
+
+One process without a process group (how a trainer is debugged, and Accelerate's own tests
+run) has nobody to agree with: the step runs, and its failure is the CheckpointAborted.
 """
 
 from __future__ import annotations
@@ -46,13 +49,23 @@ def describe(error: BaseException) -> str:
     return text if isinstance(error, CkptDoctorError) else f"{type(error).__name__}: {text}"
 
 
+def alone(group) -> bool:
+    """No process group at all (group None and none initialized): one process."""
+    import torch.distributed as dist
+
+    return group is None and not (dist.is_available() and dist.is_initialized())
+
+
 def rank0_decides(group, what: str, work):
     """Rank 0 runs `work`; every rank returns its result, or raises the same CheckpointAborted."""
     import torch.distributed as dist
 
-    box = [attempt(work) if dist.get_rank(group) == 0 else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    status, value = box[0]
+    if alone(group):
+        status, value = attempt(work)
+    else:
+        box = [attempt(work) if dist.get_rank(group) == 0 else None]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        status, value = box[0]
     if status != OK:
         raise CheckpointAborted(f"checkpoint aborted at '{what}': rank 0: {value}")
     return value
@@ -64,8 +77,10 @@ def every_rank_agrees(group, what: str, work):
     import torch.distributed as dist
 
     outcome = attempt(work)
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, outcome, group=group)
+    everyone = [outcome]
+    if not alone(group):
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, outcome, group=group)
     failed = [(rank, reason) for rank, (status, reason) in enumerate(everyone) if status != OK]
     if failed:
         raise CheckpointAborted(f"checkpoint aborted at '{what}': rank(s) {format_ranks([r for r, _ in failed])}: "

@@ -60,13 +60,14 @@ import time
 from pathlib import Path
 
 from ..errors import CkptDoctorError
+from . import automatic_naming
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
 from .compat import check_versions
-from .heartbeat import Heartbeat, _exit_lost, _log_lost, job_store, store_host
+from .heartbeat import Heartbeat, NoHeartbeat, _exit_lost, _log_lost, job_store, store_host
 from .load_check import prepare_for_load
 from .load_planner import ScalableLoadPlanner
 from .planner import NotDerivable, ScalableSavePlanner
-from .agreement import OK, CheckpointAborted, every_rank_agrees, rank0_decides
+from .agreement import OK, CheckpointAborted, alone, every_rank_agrees, rank0_decides
 from .settings import Settings
 from .summary import OperationRecord, make_visible
 from .publish import (Staging, complete_steps, counts_as_checkpoint, leftover_places, new_token, prepare, publish,
@@ -107,15 +108,15 @@ class ScalableCheckpointing:
         self.accelerator, self.integration = accelerator, integration
         # Accelerate's own methods, kept: install() puts this object's in their place on the instance
         self._accelerate_save_state, self._accelerate_load_state = accelerator.save_state, accelerator.load_state
-        self.group = group or dist.new_group(backend="gloo",
-                                             timeout=datetime.timedelta(seconds=self.settings.timeout_s))
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        if alone(group):  # one process, no process group: no checkpoint group, no peers to watch
+            self.group, self.rank, self.world_size = None, 0, 1
+        else:
+            self.group = group or dist.new_group(backend="gloo",
+                                                 timeout=datetime.timedelta(seconds=self.settings.timeout_s))
+            self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._agree_on_settings()
         self.verify_replicas = verify_replicas
-        lost = _exit_lost if self.settings.on_lost_rank == "exit" else _log_lost
-        self.heartbeat = Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
-                                   lost_after_s=self.settings.lost_rank_s, on_lost=lost,
-                                   use_process=self.settings.heartbeat == "process")
+        self.heartbeat = self._heartbeat()
         self._open: dict[Path, Staging] = {}
         self._record = OperationRecord()
         setattr(accelerator, OWNER, self)
@@ -167,10 +168,16 @@ class ScalableCheckpointing:
         self.commit(staging)
 
     # -- save / load ----------------------------------------------------------------------
-    def save_state(self, output_dir: str | os.PathLike, **accelerate_kwargs) -> Path:
+    def save_state(self, output_dir: str | os.PathLike | None = None, **accelerate_kwargs) -> Path:
         """Accelerate's save_state with the fix (its other arguments passed on). Inside an open
         `begin`, it writes in place (published by `commit`); otherwise it publishes `output_dir`
-        atomically itself."""
+        atomically itself. With Accelerate's automatic checkpoint naming, `output_dir` is ignored
+        as stock ignores it, and `total_limit` applies after the commit (automatic_naming.py)."""
+        if automatic_naming.enabled(self.accelerator):
+            return self._save_automatically(accelerate_kwargs)
+        if output_dir is None:
+            raise CkptDoctorError("save_state() needs an output_dir, or Accelerate's automatic_checkpoint_naming in "
+                                  "the project configuration; nothing was saved")
         target = Path(output_dir)
         opened = self._staging_of(target)
         if opened is not None:
@@ -181,16 +188,27 @@ class ScalableCheckpointing:
             self._save(self._open[staging], staging, accelerate_kwargs)
         return target
 
+    def _save_automatically(self, accelerate_kwargs: dict) -> Path:
+        target = Path(self._rank0_decides("name the checkpoint",
+                                          lambda: str(automatic_naming.next_directory(self.accelerator))))
+        with automatic_naming.explicit_directory(self.accelerator):
+            self.save_state(target, **accelerate_kwargs)
+        limit = self.accelerator.project_configuration.total_limit
+        if limit is not None:
+            self._rank0_decides("apply total_limit", lambda: automatic_naming.remove_beyond_limit(target.parent, limit))
+        return target
+
     def _save(self, opened: Staging, directory: Path, accelerate_kwargs: dict) -> None:
         def save():
             with self._dcp_on_checkpoint_group(opened, directory):
                 self._accelerate_save_state(str(directory), **accelerate_kwargs)
         self._every_rank_agrees("save_state", save)
 
-    def load_state(self, input_dir: str | os.PathLike, **accelerate_kwargs) -> None:
+    def load_state(self, input_dir: str | os.PathLike | None = None, **accelerate_kwargs) -> None:
         """Accelerate's load_state with the fix, from a complete checkpoint only (every rank
-        must see it complete; rank 0 checks its data files and index first)."""
-        path = Path(input_dir)
+        must see it complete; rank 0 checks its data files and index first). Without
+        `input_dir`, with Accelerate's automatic checkpoint naming: the newest complete one."""
+        path = Path(input_dir) if input_dir is not None else self._newest_automatic()
         self._start_operation()
         try:
             self._every_rank_agrees("check the checkpoint", lambda: require_complete(path))
@@ -204,6 +222,16 @@ class ScalableCheckpointing:
         self.heartbeat.stop()
         if self.rank == 0:
             log.info(self._record.line("loaded", path))
+
+    def _newest_automatic(self) -> Path:
+        if not automatic_naming.enabled(self.accelerator):
+            raise CkptDoctorError("load_state() needs an input_dir, or Accelerate's automatic_checkpoint_naming in "
+                                  "the project configuration; nothing was loaded")
+        root = automatic_naming.checkpoints_dir(self.accelerator)
+        newest = self.latest(root)
+        if newest is None:
+            raise CkptDoctorError(f"no complete checkpoint under {root}; nothing was loaded")
+        return newest
 
     def _load(self, path: Path, accelerate_kwargs: dict) -> None:
         with self._dcp_on_checkpoint_group(None, path):
@@ -240,6 +268,14 @@ class ScalableCheckpointing:
         return self._record
 
     # -- internals ----------------------------------------------------------------------
+    def _heartbeat(self):
+        if self.group is None:
+            return NoHeartbeat()
+        lost = _exit_lost if self.settings.on_lost_rank == "exit" else _log_lost
+        return Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
+                         lost_after_s=self.settings.lost_rank_s, on_lost=lost,
+                         use_process=self.settings.heartbeat == "process")
+
     def _agree_on_settings(self) -> None:
         """Every rank: compare its settings with rank 0's; any difference stops every rank."""
         rank0 = rank0_decides(self.group, "share rank 0's settings", self.settings.values)
@@ -272,6 +308,8 @@ class ScalableCheckpointing:
     def _broadcast(self, value):
         import torch.distributed as dist
 
+        if self.group is None:
+            return value
         box = [value]
         with self._step("broadcast"):
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -300,6 +338,8 @@ class ScalableCheckpointing:
     def _barrier(self, what: str) -> None:
         import torch.distributed as dist
 
+        if self.group is None:
+            return
         with self._step(what):
             dist.barrier(group=self.group)
 

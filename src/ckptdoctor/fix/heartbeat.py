@@ -147,6 +147,28 @@ class Heartbeat:
                 and after[r].startswith("alive:")]
 
 
+class NoHeartbeat:
+    """One process without a process group: no peer to watch and no store to post on. Keeps
+    Heartbeat's interface so that ScalableCheckpointing runs the same steps either way."""
+
+    store_lost = False
+
+    def open_verdict(self, token: str) -> None:
+        pass
+
+    def start(self, token: str) -> None:
+        pass
+
+    def stop(self, aborted: bool = False) -> None:
+        pass
+
+    def mark_aborted(self) -> None:
+        pass
+
+    def gone(self, wait_s: float | None = None) -> list[int]:
+        return []
+
+
 class ProcessBeat:
     """A forked child that posts "alive" on its parent's heartbeat key every interval while the
     parent process exists and is not stopped (SIGSTOP, a debugger), as /proc says. It needs no

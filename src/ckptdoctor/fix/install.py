@@ -17,6 +17,11 @@ the dead one at every restart (publish.py). `ckptdoctor integrate` passes it whe
 root from the trainer's code. Without it, rank 0 warns once that a dead save will stop the
 resume until its step is removed by hand.
 
+Wherever Accelerate's own save_state works it does: one process with or without a process
+group (then nothing to agree with: agreement.py), and Accelerate's automatic checkpoint naming
+with `total_limit` applied only after the new checkpoint is published (automatic_naming.py); a
+trainer that uses that naming publishes whole checkpoint directories and needs no `save_root`.
+
 What it does not do (the full patch, `patches/mova-feat-npu.patch`, does): publish the whole step
 directory at once (trainer_state.pt and LoRA weights are written beside the Accelerate state,
 unpublished), save LoRA adapters without a full gather.
@@ -32,8 +37,6 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import CkptDoctorError
-
 log = logging.getLogger(__name__)
 
 
@@ -41,27 +44,22 @@ def install(accelerator, **settings):
     """Every rank, after `accelerator.prepare(...)`: route this Accelerator's save_state and
     load_state through a new ScalableCheckpointing (`settings`: its keywords, e.g. timeout_s;
     unset ones come from CKPTDOCTOR_* variables). Returns it."""
+    from . import automatic_naming
     from .checkpointing import OWNER, ScalableCheckpointing
 
     existing = getattr(accelerator, OWNER, None)
     if existing is not None and existing.integration == "install":
         return existing  # a second install; a ScalableCheckpointing of another kind is refused just below
     ckpt = ScalableCheckpointing(accelerator, integration="install", **settings)
-    if ckpt.settings.save_root is None and ckpt.rank == 0:
+    if ckpt.settings.save_root is None and ckpt.rank == 0 and not automatic_naming.enabled(accelerator):
         log.warning("ckptdoctor.install: no save_root given (keyword or CKPTDOCTOR_SAVE_ROOT): if a save dies, the "
                     "trainer's own scan may pick its incomplete step at the next start, and load_state will refuse it "
                     "until that step is removed; pass save_root=<the directory of your step directories>")
 
     def save_state(output_dir: str | os.PathLike | None = None, **kwargs) -> str:
-        if output_dir is None:
-            raise CkptDoctorError("ckptdoctor.install: save_state() needs an output_dir (Accelerate's automatic "
-                                  "checkpoint naming is not supported); nothing was saved")
         return str(ckpt.save_state(output_dir, **kwargs))
 
     def load_state(input_dir: str | os.PathLike | None = None, **kwargs) -> None:
-        if input_dir is None:
-            raise CkptDoctorError("ckptdoctor.install: load_state() needs an input_dir (Accelerate's automatic "
-                                  "checkpoint naming is not supported); nothing was loaded")
         ckpt.load_state(input_dir, **kwargs)
 
     accelerator.save_state, accelerator.load_state = save_state, load_state
