@@ -170,3 +170,14 @@ def test_without_automatic_naming_a_directory_is_needed(make):
         accelerator.save_state()
     with pytest.raises(CkptDoctorError, match="needs an input_dir"):
         accelerator.load_state()
+
+
+def test_a_pickled_copy_of_an_installed_accelerator_saves_as_stock_the_original_through_the_fix(make, tmp_path):
+    import pickle
+
+    accelerator, *_ = make(fix=True)  # (Accelerate's own __deepcopy__ returns the Accelerator itself)
+    twin = pickle.loads(pickle.dumps(accelerator))
+    twin.save_state(str(tmp_path / "copy"))
+    assert not (tmp_path / "copy" / COMPLETE_MARKER).exists() and (tmp_path / "copy" / "model.safetensors").is_file()
+    accelerator.save_state(str(tmp_path / "original"))
+    assert (tmp_path / "original" / COMPLETE_MARKER).is_file()

@@ -127,6 +127,11 @@ class ScalableCheckpointing:
         # what this job may remove as dead saves' leftovers: saves begun before now, and its own failed ones
         self._horizon, self._failed_tokens = new_token(), set()
 
+    def __reduce__(self):
+        """A copy of the Accelerator it serves (pickle, deepcopy) takes none of it along: the
+        checkpoint group and the heartbeat belong to this process (install.Routed)."""
+        return type(None), ()
+
     # -- publication ----------------------------------------------------------------------
     def begin(self, final_dir: str | os.PathLike) -> Path:
         """Every rank: open `final_dir` for writing; returns its staging directory (the same

@@ -56,11 +56,26 @@ def install(accelerator, **settings):
                     "trainer's own scan may pick its incomplete step at the next start, and load_state will refuse it "
                     "until that step is removed; pass save_root=<the directory of your step directories>")
 
-    def save_state(output_dir: str | os.PathLike | None = None, **kwargs) -> str:
-        return str(ckpt.save_state(output_dir, **kwargs))
-
-    def load_state(input_dir: str | os.PathLike | None = None, **kwargs) -> None:
-        ckpt.load_state(input_dir, **kwargs)
-
-    accelerator.save_state, accelerator.load_state = save_state, load_state
+    accelerator.save_state = Routed(accelerator, "save_state", ckpt)
+    accelerator.load_state = Routed(accelerator, "load_state", ckpt)
     return ckpt
+
+
+class Routed:
+    """An Accelerator's save_state or load_state, routed through a ScalableCheckpointing.
+
+    A copy of the Accelerator (pickle, deepcopy: Accelerate's own tests pickle one) does not take
+    the checkpoint group along, which belongs to this process: in the copy the method is
+    Accelerate's own again."""
+
+    def __init__(self, accelerator, name: str, ckpt=None):
+        self.accelerator, self.name, self.ckpt = accelerator, name, ckpt
+
+    def __call__(self, directory: str | os.PathLike | None = None, *args, **kwargs):
+        if self.ckpt is None:
+            return getattr(type(self.accelerator), self.name)(self.accelerator, directory, *args, **kwargs)
+        result = getattr(self.ckpt, self.name)(directory, *args, **kwargs)
+        return None if result is None else str(result)
+
+    def __reduce__(self):
+        return Routed, (self.accelerator, self.name)
