@@ -38,7 +38,10 @@ NAME = re.compile(r"checkpoint_(\d+)")
 
 
 def enabled(accelerator) -> bool:
-    return bool(accelerator.project_configuration.automatic_checkpoint_naming)
+    """Whether Accelerate names this Accelerator's checkpoints (an object that only looks like
+    one, without a project configuration, does not)."""
+    config = getattr(accelerator, "project_configuration", None)
+    return bool(getattr(config, "automatic_checkpoint_naming", False))
 
 
 def checkpoints_dir(accelerator) -> Path:
