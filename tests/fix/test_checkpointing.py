@@ -324,8 +324,8 @@ def test_after_install_the_accelerators_own_save_and_load_go_through_the_fix(tmp
         ["optimizer_0", "pytorch_model_fsdp_0"]  # written by the fix's writer
     log = (out / "job.log").read_text()
     assert log.count(f"ckptdoctor: saved {step} in ") == log.count(f"ckptdoctor: loaded {step} in ") == 1
-    assert reports[0]["no_dir"] == ("CkptDoctorError: ckptdoctor.install: save_state() needs an output_dir "
-                                    "(Accelerate's automatic checkpoint naming is not supported); nothing was saved")
+    assert reports[0]["no_dir"] == ("CkptDoctorError: save_state() needs an output_dir, or Accelerate's "
+                                    "automatic_checkpoint_naming in the project configuration; nothing was saved")
 
 
 @pytest.mark.slow
