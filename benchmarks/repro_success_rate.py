@@ -49,7 +49,8 @@ def run_once(args, index: int, scratch: Path) -> dict:
     if clone is not None:
         shutil.rmtree(clone, ignore_errors=True)  # ~7 GB of environment: the disk is shared with CI
     condition = "fresh-clone" if args.fresh_clone else ("cpu-hog" if args.hog else "plain")
-    return {"condition": condition, "stack": "user" if args.fresh_clone else args.stack, "mode": args.mode,
+    return {"condition": condition, "stack": "user" if args.fresh_clone else args.stack,
+            "torch": report.get("torch"), "accelerate": report.get("accelerate"), "mode": args.mode,
             "trainer": report.get("trainer", args.trainer), "exit": proc.returncode,
             "reproduced": report.get("reproduced"), "not_separable": report.get("not_separable"),
             "attempts": report.get("attempts"), "margins": report.get("margins"),

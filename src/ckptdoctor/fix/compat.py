@@ -4,8 +4,8 @@ The fix relies on DCP's planner/storage interfaces and on how Accelerate calls D
 accepts the ranges a compatibility run passed (`benchmarks/compat_matrix.py`, raw outcomes in
 `docs/evidence/compat_matrix.jsonl`: the fix's core tests on a release of every torch minor from
 2.8 to 2.15 with Accelerate 1.15.0 or 1.16.0, and Accelerate 1.13.0, 1.14.0 and 1.16.0 with torch
-2.8.0; CI runs the whole suite on torch 2.8.0 + Accelerate 1.13.0 and 2.14.1 + 1.15.0, and it ran
-once on 2.15.0 + 1.16.0, the fix's tests all passing). Anything outside, a
+2.8.0; CI runs the whole suite on torch 2.8.0 + Accelerate 1.13.0 and on 2.15.0 + 1.16.0). Anything
+outside, a
 pre-release included, is refused with one clear line rather than saved through code paths nobody
 has checked, unless CKPTDOCTOR_ALLOW_UNCHECKED_VERSIONS=1: then it is logged once, as a warning,
 and allowed. torch_npu is named by the torch it is built for (torch_npu 2.8.0.post2 runs on torch
