@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ..errors import CkptDoctorError
 from ..ranks import format_ranks
+from . import dcp_failures
 
 
 OK = "ok"  # a step that succeeded; any other outcome is one line saying why not
@@ -39,12 +40,10 @@ def attempt(work) -> tuple[str, object]:
 def describe(error: BaseException) -> str:
     """One line. DCP's CheckpointException prints the ranks' tracebacks: its first failure's own
     line is what says why (e.g. "OSError: [Errno 28] No space left on device")."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank = min(failures)
-        first = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
-        if isinstance(first, BaseException):
-            return f"in DCP on rank(s) {format_ranks(sorted(failures))}: {describe(first)}"
+    failed = dcp_failures.per_rank(error)
+    first = dcp_failures.first(error)
+    if failed and isinstance(first, BaseException):
+        return f"in DCP on rank(s) {format_ranks(sorted(failed))}: {describe(first)}"
     text = " ".join(str(error).split())[:400]
     return text if isinstance(error, CkptDoctorError) else f"{type(error).__name__}: {text}"
 

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 
 from ..errors import CkptDoctorError
-from . import automatic_naming
+from . import automatic_naming, dcp_failures
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
 from .compat import check_versions
 from .heartbeat import Heartbeat, NoHeartbeat, _exit_lost, _log_lost, job_store, store_host
@@ -243,10 +243,11 @@ class ScalableCheckpointing:
             try:
                 self._accelerate_load_state(str(path), **accelerate_kwargs)
             except BaseException as error:
-                if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or not hasattr(error, "failures"):
+                failed = dcp_failures.per_rank(error)
+                if isinstance(error, (KeyboardInterrupt, SystemExit, CkptDoctorError)) or not failed:
                     raise
-                raise CheckpointAborted(f"loading {path} failed on rank(s) {', '.join(map(str, sorted(error.failures)))}: "
-                                        f"{_first_failure(error)}") from error
+                raise CheckpointAborted(f"loading {path} failed on rank(s) {', '.join(map(str, sorted(failed)))}: "
+                                        f"{dcp_failures.first(error)}") from error
 
     def latest(self, root: str | os.PathLike, subdir: str | None = None, legacy: bool | None = None) -> Path | None:
         """Every rank: the newest checkpoint under `root` that is complete and loadable (its data
@@ -396,10 +397,10 @@ class ScalableCheckpointing:
             try:
                 result = original_save(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
             except BaseException as error:
-                if not _failed_with(error, NotDerivable):
+                if not dcp_failures.carries(error, NotDerivable):
                     raise
                 log.warning("ckptdoctor: rank 0 could not derive this save's metadata (%s); saving on the owned path",
-                            _first_failure(error))
+                            dcp_failures.first(error))
                 result = original_save(state_dict, planner=ScalableSavePlanner(derive_metadata=False,
                                                                                verify_replicas=verify), **kwargs)
             record.checkpoints += 1
@@ -432,20 +433,6 @@ class ScalableCheckpointing:
 
 def _relative(path, opened: Staging) -> str:
     return str(Path(path).resolve().relative_to(opened.staging().resolve()))
-
-
-def _failed_with(error: BaseException, kind: type) -> bool:
-    """Whether a DCP CheckpointException (or the error itself) carries a `kind` failure."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict):
-        return any(isinstance(f[0] if isinstance(f, tuple) else f, kind) for f in failures.values())
-    return isinstance(error, kind)
-
-
-def _first_failure(error: BaseException) -> str:
-    failures = getattr(error, "failures", {}) or {}
-    first = next(iter(failures.values()), error)
-    return str(first[0] if isinstance(first, tuple) else first)
 
 
 def require_complete(path: Path, legacy: bool = True) -> None:
