@@ -13,7 +13,7 @@ from ckptdoctor.fix import heartbeat, publish as publishing
 from ckptdoctor.fix.adapters import adapter_state_dict
 from ckptdoctor.fix.agreement import OK
 from ckptdoctor.fix.heartbeat import Heartbeat
-from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
+from ckptdoctor.fix.publish import newest_loadable, publish_and_tidy
 from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, REPLACED, WRITING_MARKER, Staging, counts_as_checkpoint,
                                     find_latest, is_complete, legacy_complete, new_token, publish)
 from ckptdoctor.fix.storage import ScalableFileSystemWriter
@@ -530,7 +530,7 @@ def level1_step(root, step, token, complete=True):
 
 
 def test_at_startup_a_step_a_save_died_in_is_set_aside_and_the_trainers_scan_finds_the_newest_complete(tmp_path):
-    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+    from ckptdoctor.fix.publish import set_aside_dead_steps
 
     good = level1_step(tmp_path, 4, new_token())
     dead = level1_step(tmp_path, 8, new_token(), complete=False)  # died in save_state: trainer_state.pt is there
@@ -555,7 +555,7 @@ def test_at_startup_a_step_a_save_died_in_is_set_aside_and_the_trainers_scan_fin
 
 
 def test_a_first_save_that_died_with_no_step_complete_yet_is_set_aside_by_its_traces_alone(tmp_path):
-    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+    from ckptdoctor.fix.publish import set_aside_dead_steps
 
     level1_step(tmp_path, 4, new_token(), complete=False)
     (tmp_path / "run-7").mkdir()  # someone else's directory: no checkpoint, no trace
@@ -567,7 +567,7 @@ def test_a_first_save_that_died_with_no_step_complete_yet_is_set_aside_by_its_tr
 def test_the_next_save_removes_level1_leftovers_in_the_save_root_and_inside_its_steps(tmp_path):
     """Level 1 publishes `step-N/accelerator`: a dead save's staging sits inside its step, and a
     step set aside sits in the save root; both are beside no directory the next save publishes."""
-    from ckptdoctor.fix.checkpointing import set_aside_dead_steps
+    from ckptdoctor.fix.publish import set_aside_dead_steps
 
     level1_step(tmp_path, 4, new_token())
     stale = level1_step(tmp_path, 8, new_token(), complete=False)

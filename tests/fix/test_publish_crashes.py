@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckptdoctor.fix import publish as publishing
 from ckptdoctor.fix.agreement import OK
-from ckptdoctor.fix.checkpointing import newest_loadable, publish_and_tidy
+from ckptdoctor.fix.publish import newest_loadable, publish_and_tidy
 from ckptdoctor.fix.publish import COMPLETE_MARKER, STEP_NAME, WRITING_MARKER, Staging, new_token, prepare
 from ckptdoctor.fix.storage import ScalableFileSystemReader, ScalableFileSystemWriter
 

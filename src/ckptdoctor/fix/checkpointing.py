@@ -46,14 +46,15 @@ finds the newest complete step.
 
 How: Accelerate calls `torch.distributed.checkpoint.save/load` with a fixed planner and no
 process group. For the duration of one call only, those two module attributes are wrapped
-(pass-through to torch's own functions). Checked on the versions in `compat.CHECKED`.
+(pass-through to torch's own functions: dcp_routing.py). This module is the orchestration:
+which rank does what, in which order; the steps themselves live in publish.py (publish, tidy,
+the newest loadable step), agreement.py, heartbeat.py and automatic_naming.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import functools
 import logging
 import os
 import time
@@ -62,17 +63,15 @@ from pathlib import Path
 from ..errors import CkptDoctorError
 from . import automatic_naming, dcp_failures
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
-from .compat import check_versions
-from .heartbeat import Heartbeat, NoHeartbeat, _exit_lost, _log_lost, job_store, store_host
-from .load_check import prepare_for_load
-from .load_planner import ScalableLoadPlanner
-from .planner import NotDerivable, ScalableSavePlanner
 from .agreement import OK, CheckpointAborted, alone, every_rank_agrees, rank0_decides
+from .compat import check_versions
+from .dcp_routing import routed
+from .heartbeat import Heartbeat, NoHeartbeat, exit_lost, job_store, log_lost, store_host
+from .load_check import prepare_for_load
 from .settings import Settings
 from .summary import OperationRecord, make_visible
-from .publish import (Staging, complete_steps, counts_as_checkpoint, leftover_places, new_token, prepare, publish,
-                      remove_leftovers, set_aside_incomplete_steps, why_incomplete)
-from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
+from .publish import (Staging, complete_steps, new_token, newest_loadable, prepare, publish_and_tidy,
+                      require_complete, set_aside_dead_steps)
 
 log = logging.getLogger(__name__)
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
@@ -205,7 +204,7 @@ class ScalableCheckpointing:
 
     def _save(self, opened: Staging, directory: Path, accelerate_kwargs: dict) -> None:
         def save():
-            with self._dcp_on_checkpoint_group(opened, directory):
+            with routed(self.group, self.verify_replicas, self._record, opened):
                 self._accelerate_save_state(str(directory), **accelerate_kwargs)
         self._every_rank_agrees("save_state", save)
 
@@ -239,7 +238,7 @@ class ScalableCheckpointing:
         return newest
 
     def _load(self, path: Path, accelerate_kwargs: dict) -> None:
-        with self._dcp_on_checkpoint_group(None, path):
+        with routed(self.group, self.verify_replicas, self._record, None):
             try:
                 self._accelerate_load_state(str(path), **accelerate_kwargs)
             except BaseException as error:
@@ -277,7 +276,7 @@ class ScalableCheckpointing:
     def _heartbeat(self):
         if self.group is None:
             return NoHeartbeat()
-        lost = _exit_lost if self.settings.on_lost_rank == "exit" else _log_lost
+        lost = exit_lost if self.settings.on_lost_rank == "exit" else log_lost
         return Heartbeat(job_store(), f"ckptdoctor/{self.group.group_name}/", self.rank, self.world_size,
                          lost_after_s=self.settings.lost_rank_s, on_lost=lost,
                          use_process=self.settings.heartbeat == "process")
@@ -370,75 +369,6 @@ class ScalableCheckpointing:
             raise CheckpointAborted(f"rank {self.rank}: checkpoint aborted at '{what}': {who} "
                                     f"({str(error).strip()[:200]})") from error
 
-    @contextlib.contextmanager
-    def _dcp_on_checkpoint_group(self, opened: "Staging | None", root: Path):
-        """For one call: Accelerate's dist_cp.save/load run on the checkpoint group, saves with
-        the planner and writer; every call is counted and its directory recorded. Restored on
-        exit, also on error."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader, FileSystemWriter
-
-        original_save, original_load = dcp.save, dcp.load
-        group, verify, record = self.group, self.verify_replicas, self._record
-
-        @functools.wraps(original_save)
-        def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, **kwargs):
-            if planner is not None and type(planner) is not DefaultSavePlanner and not isinstance(planner, ScalableSavePlanner):
-                raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
-                                        f"DefaultSavePlanner, so this save would not be the fix's")
-            if type(storage_writer) is FileSystemWriter:  # a subclass without state of its own: same settings
-                storage_writer.__class__ = ScalableFileSystemWriter
-            elif storage_writer is None and checkpoint_id is not None:
-                storage_writer = ScalableFileSystemWriter(checkpoint_id)
-            if opened is not None:
-                opened.checkpoints.append(_relative(getattr(storage_writer, "path", checkpoint_id), opened))
-            kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-                           process_group=process_group or group)
-            try:
-                result = original_save(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
-            except BaseException as error:
-                if not dcp_failures.carries(error, NotDerivable):
-                    raise
-                log.warning("ckptdoctor: rank 0 could not derive this save's metadata (%s); saving on the owned path",
-                            dcp_failures.first(error))
-                result = original_save(state_dict, planner=ScalableSavePlanner(derive_metadata=False,
-                                                                               verify_replicas=verify), **kwargs)
-            record.checkpoints += 1
-            record.bytes_written += getattr(storage_writer, "bytes_written", 0)  # rank 0's writer knows them all
-            return result
-
-        @functools.wraps(original_load)
-        def load(state_dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None,
-                 **kwargs):
-            if planner is not None and type(planner) is not DefaultLoadPlanner:
-                raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
-                                        f"DefaultLoadPlanner, so this load would not be the fix's")
-            if type(storage_reader) is FileSystemReader:  # a subclass without state of its own: same settings
-                storage_reader.__class__ = ScalableFileSystemReader
-            elif storage_reader is None and checkpoint_id is not None:
-                storage_reader = ScalableFileSystemReader(checkpoint_id)
-            options = {} if planner is None else dict(flatten_state_dict=planner.flatten_state_dict,
-                                                      flatten_sharded_tensors=planner.flatten_sharded_tensors,
-                                                      allow_partial_load=planner.allow_partial_load)
-            return original_load(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
-                                 planner=ScalableLoadPlanner(**options), process_group=process_group or group,
-                                 **kwargs)
-
-        dcp.save, dcp.load = save, load
-        try:
-            yield
-        finally:
-            dcp.save, dcp.load = original_save, original_load
-
-
-def _relative(path, opened: Staging) -> str:
-    return str(Path(path).resolve().relative_to(opened.staging().resolve()))
-
-
-def require_complete(path: Path, legacy: bool = True) -> None:
-    if not counts_as_checkpoint(path, legacy):
-        raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
-
 
 INTEGRATIONS = {"install": "ckptdoctor.install (level 1, one call after prepare)",
                 "ScalableCheckpointing": "ScalableCheckpointing (level 2, the full patch or a trainer's own calls)"}
@@ -451,48 +381,3 @@ def refuse_a_second_integration(accelerator, integration: str) -> None:
     if existing is not None:
         raise CkptDoctorError(f"ckptdoctor: this Accelerator already saves through {INTEGRATIONS[existing.integration]}; "
                               f"refusing to add {INTEGRATIONS[integration]} as well: keep one of the two")
-
-
-def set_aside_dead_steps(save_root: Path) -> int:
-    """Rank 0, at startup: the step directories dead saves left under `save_root`, renamed out of
-    the trainer's sight (publish.py), each named in a warning."""
-    moved = set_aside_incomplete_steps(save_root, new_token())
-    for step, aside in moved:
-        log.warning("ckptdoctor: %s holds no complete checkpoint (a save died in it: %s); set it aside as %s, so "
-                    "that the trainer resumes from its newest complete step; the next successful save removes it",
-                    step, why_step_incomplete(step), aside.name)
-    return len(moved)
-
-
-def why_step_incomplete(step: Path) -> str:
-    subs = [sub for sub in sorted(step.iterdir()) if sub.is_dir() and "." not in sub.name] if step.is_dir() else []
-    return "; ".join(f"{sub.name}: {why_incomplete(sub)}" for sub in subs) or "nothing of a checkpoint in it"
-
-
-def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = None, horizon: str | None = None,
-                     dead: set[str] = frozenset()) -> str:
-    """Rank 0: publish, then remove what dead saves left beside it, in the save root and in its
-    step directories (a failure there is logged: the step is published). Dead: begun before
-    `horizon` (default: this save's start) or listed in `dead` (publish.remove_leftovers)."""
-    verdict = publish(staging, opened)
-    if verdict != OK:
-        return verdict
-    for place in leftover_places(opened.final, save_root):
-        try:
-            for leftover in remove_leftovers(place, horizon or opened.token, dead):
-                log.info("ckptdoctor: removed %s, left by an earlier save", leftover)
-        except OSError as error:
-            log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", place, error)
-    return verdict
-
-
-def newest_loadable(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
-    """Rank 0: the newest complete checkpoint whose data files are whole (`prepare_for_load`);
-    a step that is marked complete but lost files since is skipped, with a warning, so that an
-    auto-restarting job resumes from the step before it instead of failing on it forever."""
-    for path in complete_steps(root, subdir, legacy):
-        problem = prepare_for_load(path)
-        if problem == OK:
-            return path
-        log.warning("ckptdoctor: not resuming from %s: %s; trying the step before it", path, problem)
-    return None

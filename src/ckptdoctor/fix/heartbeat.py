@@ -54,7 +54,7 @@ class Heartbeat:
                  lost_after_s: float = LOST_RANK_S, on_lost=None, use_process: bool = True):
         self.store, self.prefix, self.rank, self.world_size = store, prefix, rank, world_size
         self.interval_s, self.lost_after_s = interval_s, lost_after_s
-        self.on_lost = on_lost or _log_lost
+        self.on_lost = on_lost or log_lost
         self.seq = 0
         self.store_lost = False
         self._thread: threading.Thread | None = None
@@ -271,11 +271,11 @@ class Staleness:
         return lost
 
 
-def _log_lost(rank: int, verdict: str) -> None:
+def log_lost(rank: int, verdict: str) -> None:
     log.error("ckptdoctor: rank %d: %s; the checkpoint cannot finish", rank, verdict)
 
 
-def _exit_lost(rank: int, verdict: str) -> None:
+def exit_lost(rank: int, verdict: str) -> None:
     """A collective waiting for a lost rank cannot be interrupted (gloo's abort does not wake
     it): leave, with a distinct exit code, so the launcher restarts the job. Nothing was
     published: the staging directory is never renamed."""

@@ -19,7 +19,9 @@ into place just before its marker) never counts, not even as a whole stock save,
 successful save beside it removes it.
 
 What counts as a checkpoint (`is_complete`, `legacy_complete` for stock saves) and which is the
-newest (`find_latest`) live here too: they are the reading side of the same protocol.
+newest (`find_latest`, and `newest_loadable`: complete and its data files whole) live here too:
+they are the reading side of the same protocol. So does rank 0's tidying after a publish
+(`publish_and_tidy`).
 
 A trainer that makes its own step directories and calls `save_state` inside them (MOVA:
 `step-N/trainer_state.pt`, then `save_state(step-N/accelerator)`) publishes only the Accelerate
@@ -36,15 +38,18 @@ beside the directory it published, in the save root, and inside each step direct
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from pathlib import Path
 
-from .agreement import OK
+from .agreement import OK, CheckpointAborted
 from .index import METADATA_NAME
+from .load_check import prepare_for_load
 
+log = logging.getLogger(__name__)
 INCOMPLETE = ".incomplete-"
 REPLACED = ".replaced-"
 COMPLETE_MARKER = "CKPTDOCTOR_COMPLETE"
@@ -366,3 +371,55 @@ def _claimed_by(entry: Path) -> str | None:
         return str(json.loads((entry / WRITING_MARKER).read_text())["token"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+# -- rank 0's side of a save and a resume: publish and tidy, the newest loadable step, dead steps set aside
+
+def require_complete(path: Path, legacy: bool = True) -> None:
+    if not counts_as_checkpoint(path, legacy):
+        raise CheckpointAborted(f"{path} is not a complete checkpoint ({why_incomplete(path)}); refusing to load it")
+
+
+def set_aside_dead_steps(save_root: Path) -> int:
+    """Rank 0, at startup: the step directories dead saves left under `save_root`, renamed out of
+    the trainer's sight (publish.py), each named in a warning."""
+    moved = set_aside_incomplete_steps(save_root, new_token())
+    for step, aside in moved:
+        log.warning("ckptdoctor: %s holds no complete checkpoint (a save died in it: %s); set it aside as %s, so "
+                    "that the trainer resumes from its newest complete step; the next successful save removes it",
+                    step, why_step_incomplete(step), aside.name)
+    return len(moved)
+
+
+def why_step_incomplete(step: Path) -> str:
+    subs = [sub for sub in sorted(step.iterdir()) if sub.is_dir() and "." not in sub.name] if step.is_dir() else []
+    return "; ".join(f"{sub.name}: {why_incomplete(sub)}" for sub in subs) or "nothing of a checkpoint in it"
+
+
+def publish_and_tidy(staging: Path, opened: Staging, save_root: Path | None = None, horizon: str | None = None,
+                     dead: set[str] = frozenset()) -> str:
+    """Rank 0: publish, then remove what dead saves left beside it, in the save root and in its
+    step directories (a failure there is logged: the step is published). Dead: begun before
+    `horizon` (default: this save's start) or listed in `dead` (publish.remove_leftovers)."""
+    verdict = publish(staging, opened)
+    if verdict != OK:
+        return verdict
+    for place in leftover_places(opened.final, save_root):
+        try:
+            for leftover in remove_leftovers(place, horizon or opened.token, dead):
+                log.info("ckptdoctor: removed %s, left by an earlier save", leftover)
+        except OSError as error:
+            log.warning("ckptdoctor: could not remove earlier saves' leftovers in %s: %s", place, error)
+    return verdict
+
+
+def newest_loadable(root, subdir: str | None = None, legacy: bool = True) -> Path | None:
+    """Rank 0: the newest complete checkpoint whose data files are whole (`prepare_for_load`);
+    a step that is marked complete but lost files since is skipped, with a warning, so that an
+    auto-restarting job resumes from the step before it instead of failing on it forever."""
+    for path in complete_steps(root, subdir, legacy):
+        problem = prepare_for_load(path)
+        if problem == OK:
+            return path
+        log.warning("ckptdoctor: not resuming from %s: %s; trying the step before it", path, problem)
+    return None

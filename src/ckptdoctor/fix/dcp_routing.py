@@ -1,0 +1,109 @@
+"""Accelerate's DCP calls, routed through the fix for the duration of one save_state/load_state.
+
+Accelerate calls `torch.distributed.checkpoint.save/load` itself (`save_fsdp_model`,
+`save_fsdp_optimizer`, their load counterparts) with a `DefaultSavePlanner()` /
+`DefaultLoadPlanner()`, a `FileSystemWriter/Reader(path)` and no process group. It takes no
+planner, writer or group from its caller, so for one call `routed` replaces those two module
+attributes with pass-throughs to torch's own functions that:
+
+* put the checkpoint group in (`process_group`), so DCP's plan exchange and finish step run
+  there, with its own timeout, and never on the training group;
+* swap the planner for `ScalableSavePlanner` / `ScalableLoadPlanner` (a planner of another
+  kind is refused: that save would not be the fix's), and the writer or reader for ours (same
+  files; a plain FileSystemWriter/Reader carries no state of its own, so its class is changed
+  in place and its settings kept);
+* on a save rank 0 cannot derive (`NotDerivable`: ranks hold different keys), save again at
+  once on the planner's owned path, with one warning;
+* count every call and record each checkpoint's directory in the open publication, which
+  publish.py checks before it publishes (a save that bypassed the fix fails there).
+
+Both attributes are restored on exit, also on error. Checked on the versions in
+`compat.CHECKED`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from pathlib import Path
+
+from . import dcp_failures
+from .agreement import CheckpointAborted
+from .load_planner import ScalableLoadPlanner
+from .planner import NotDerivable, ScalableSavePlanner
+from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def routed(group, verify_replicas: bool, record, opened=None):
+    """Every rank, around Accelerate's save_state/load_state: its dcp.save/load go through the
+    fix on `group`; `record` (summary.OperationRecord) counts them; `opened` (publish.Staging)
+    receives each saved checkpoint's directory."""
+    import torch.distributed.checkpoint as dcp
+
+    original_save, original_load = dcp.save, dcp.load
+    dcp.save = _routed_save(original_save, group, verify_replicas, record, opened)
+    dcp.load = _routed_load(original_load, group)
+    try:
+        yield
+    finally:
+        dcp.save, dcp.load = original_save, original_load
+
+
+def _routed_save(original, group, verify: bool, record, opened):
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+
+    @functools.wraps(original)
+    def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, **kwargs):
+        if planner is not None and type(planner) is not DefaultSavePlanner and not isinstance(planner, ScalableSavePlanner):
+            raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
+                                    f"DefaultSavePlanner, so this save would not be the fix's")
+        if type(storage_writer) is FileSystemWriter:  # a subclass without state of its own: same settings
+            storage_writer.__class__ = ScalableFileSystemWriter
+        elif storage_writer is None and checkpoint_id is not None:
+            storage_writer = ScalableFileSystemWriter(checkpoint_id)
+        if opened is not None:
+            opened.checkpoints.append(_relative(getattr(storage_writer, "path", checkpoint_id), opened))
+        kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group or group)
+        try:
+            result = original(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
+        except BaseException as error:
+            if not dcp_failures.carries(error, NotDerivable):
+                raise
+            log.warning("ckptdoctor: rank 0 could not derive this save's metadata (%s); saving on the owned path",
+                        dcp_failures.first(error))
+            result = original(state_dict, planner=ScalableSavePlanner(derive_metadata=False, verify_replicas=verify),
+                              **kwargs)
+        record.checkpoints += 1
+        record.bytes_written += getattr(storage_writer, "bytes_written", 0)  # rank 0's writer knows them all
+        return result
+
+    return save
+
+
+def _routed_load(original, group):
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
+    @functools.wraps(original)
+    def load(state_dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None, **kwargs):
+        if planner is not None and type(planner) is not DefaultLoadPlanner:
+            raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
+                                    f"DefaultLoadPlanner, so this load would not be the fix's")
+        if type(storage_reader) is FileSystemReader:  # a subclass without state of its own: same settings
+            storage_reader.__class__ = ScalableFileSystemReader
+        elif storage_reader is None and checkpoint_id is not None:
+            storage_reader = ScalableFileSystemReader(checkpoint_id)
+        options = {} if planner is None else dict(flatten_state_dict=planner.flatten_state_dict,
+                                                  flatten_sharded_tensors=planner.flatten_sharded_tensors,
+                                                  allow_partial_load=planner.allow_partial_load)
+        return original(state_dict, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                        planner=ScalableLoadPlanner(**options), process_group=process_group or group, **kwargs)
+
+    return load
+
+
+def _relative(path, opened) -> str:
+    return str(Path(path).resolve().relative_to(opened.staging().resolve()))
