@@ -181,3 +181,18 @@ def test_a_pickled_copy_of_an_installed_accelerator_saves_as_stock_the_original_
     assert not (tmp_path / "copy" / COMPLETE_MARKER).exists() and (tmp_path / "copy" / "model.safetensors").is_file()
     accelerator.save_state(str(tmp_path / "original"))
     assert (tmp_path / "original" / COMPLETE_MARKER).is_file()
+
+
+def test_a_bad_argument_fails_as_stocks_error_class_and_as_checkpoint_aborted(make, tmp_path):
+    """Accelerate's own multi-process scenario expects `pytest.raises(TypeError)` from a bad
+    map_location; the fix's one error on every rank must still be one."""
+    import pickle
+
+    accelerator, *_ = make(fix=True)
+    accelerator.save_state(str(tmp_path / "saved"))
+    with pytest.raises(TypeError, match="Unsupported optimizer map location passed") as caught:
+        accelerator.load_state(str(tmp_path / "saved"), map_location="invalid")
+    assert isinstance(caught.value, CheckpointAborted) and type(caught.value).__name__ == "CheckpointAborted"
+    assert str(caught.value).startswith("checkpoint aborted at 'load_state': rank(s) 0: TypeError: Unsupported")
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert isinstance(again, TypeError) and isinstance(again, CheckpointAborted) and str(again) == str(caught.value)

@@ -10,6 +10,11 @@ CheckpointAborted naming the failed rank(s) and the first reason, within one col
 
 One process without a process group (how a trainer is debugged, and Accelerate's own tests
 run) has nobody to agree with: the step runs, and its failure is the CheckpointAborted.
+
+A drop-in must not change what a caller catches: when the failure was one of Python's own
+errors (a TypeError for a bad `map_location`, an OSError from a disk), the CheckpointAborted every
+rank raises is also an instance of that class (`aborted`), so `except TypeError` still catches it,
+as it caught stock's; `except CheckpointAborted` catches every kind.
 """
 
 from __future__ import annotations
@@ -25,16 +30,46 @@ OK = "ok"  # a step that succeeded; any other outcome is one line saying why not
 class CheckpointAborted(CkptDoctorError):
     """A save or load could not finish on every rank; nothing was published."""
 
+    also = None  # the built-in error class this one is too (see `aborted`), or None
 
-def attempt(work) -> tuple[str, object]:
-    """(OK, result) or ("failed", one line saying why). DCP's CheckpointException is a
-    BaseException, so only interpreter exits pass through."""
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):
+        return aborted, (str(self), self.also)
+
+
+_ALSO: dict[type, type] = {}
+
+
+def aborted(message: str, also: type | None = None) -> CheckpointAborted:
+    """A CheckpointAborted that is also an instance of the built-in error class `also` (when that
+    class can take a one-line message), else a plain one."""
+    if also is None:
+        return CheckpointAborted(message)
     try:
-        return OK, work()
+        if also not in _ALSO:
+            _ALSO[also] = type("CheckpointAborted", (CheckpointAborted, also), {"also": also, "__module__": __name__})
+        return _ALSO[also](message)
+    except TypeError:  # e.g. UnicodeDecodeError takes five arguments
+        return CheckpointAborted(message)
+
+
+def builtin_kind(error: BaseException) -> type | None:
+    """The error's class when it is one of Python's own (every rank can name it), else None."""
+    kind = type(error)
+    return kind if kind.__module__ == "builtins" and issubclass(kind, Exception) else None
+
+
+def attempt(work) -> tuple[str, object, type | None]:
+    """(OK, result, None) or ("failed", one line saying why, `builtin_kind` of the error). DCP's
+    CheckpointException is a BaseException, so only interpreter exits pass through."""
+    try:
+        return OK, work(), None
     except (KeyboardInterrupt, SystemExit, GeneratorExit):
         raise
     except BaseException as error:  # noqa: BLE001 - every failure is reported to every rank
-        return "failed", describe(error)
+        return "failed", describe(error), builtin_kind(error)
 
 
 def describe(error: BaseException) -> str:
@@ -60,13 +95,13 @@ def rank0_decides(group, what: str, work):
     import torch.distributed as dist
 
     if alone(group):
-        status, value = attempt(work)
+        status, value, kind = attempt(work)
     else:
         box = [attempt(work) if dist.get_rank(group) == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-        status, value = box[0]
+        status, value, kind = box[0]
     if status != OK:
-        raise CheckpointAborted(f"checkpoint aborted at '{what}': rank 0: {value}")
+        raise aborted(f"checkpoint aborted at '{what}': rank 0: {value}", kind)
     return value
 
 
@@ -80,8 +115,8 @@ def every_rank_agrees(group, what: str, work):
     if not alone(group):
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, outcome, group=group)
-    failed = [(rank, reason) for rank, (status, reason) in enumerate(everyone) if status != OK]
+    failed = [(rank, reason, kind) for rank, (status, reason, kind) in enumerate(everyone) if status != OK]
     if failed:
-        raise CheckpointAborted(f"checkpoint aborted at '{what}': rank(s) {format_ranks([r for r, _ in failed])}: "
-                                f"{failed[0][1]}")
+        raise aborted(f"checkpoint aborted at '{what}': rank(s) {format_ranks([f[0] for f in failed])}: "
+                      f"{failed[0][1]}", failed[0][2])
     return outcome[1]
