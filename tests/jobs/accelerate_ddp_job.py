@@ -1,0 +1,81 @@
+"""One rank of a real Accelerate job on CPU processes (MULTI_CPU: DDP over gloo), started by
+tests/fix/test_install.py with ACCELERATE_USE_CPU=true, as `accelerate launch --cpu` starts one.
+
+    python accelerate_ddp_job.py OUT stock|fix
+
+Automatic checkpoint naming with total_limit=2: three saves with a training step between each,
+a load back of the newest (load_state() with no directory), then (fix only) a fourth save that
+fails on rank 1 alone (INJECTED: a registered object whose state_dict raises there).
+Each rank writes OUT/rank<N>.json.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, ProjectConfiguration
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+rank = int(os.environ["RANK"])
+
+
+class FailsOnRank1:
+    armed = False
+
+    def state_dict(self):
+        if self.armed and rank == 1:
+            raise OSError(28, "No space left on device (injected)")
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def digest(model) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def step(model, optimizer, accelerator, value):
+    accelerator.backward(model(torch.full((4, 6), value)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+report = {"rank": rank}
+config = ProjectConfiguration(project_dir=str(out / "project"), automatic_checkpoint_naming=True, total_limit=2)
+accelerator = Accelerator(project_config=config)
+report["distributed_type"] = str(accelerator.distributed_type)
+assert accelerator.distributed_type == DistributedType.MULTI_CPU, accelerator.distributed_type
+torch.manual_seed(0)
+model = torch.nn.Linear(6, 3)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+model, optimizer = accelerator.prepare(model, optimizer)
+extra = FailsOnRank1()
+accelerator.register_for_checkpointing(extra)
+if mode == "fix":
+    import ckptdoctor
+
+    ckptdoctor.install(accelerator)
+for value in (1.0, 2.0, 3.0):
+    step(model, optimizer, accelerator, value)
+    accelerator.save_state()
+saved = digest(model)
+step(model, optimizer, accelerator, 4.0)
+moved = digest(model)
+accelerator.load_state()
+report.update(saved=saved, moved=moved, loaded=digest(model), iteration=accelerator.save_iteration)
+if mode == "fix":
+    extra.armed = True
+    try:
+        accelerator.save_state()
+    except Exception as error:  # noqa: BLE001 - the one line is the test's subject
+        report.update(error_type=type(error).__name__, error=str(error), is_oserror=isinstance(error, OSError))
+accelerator.wait_for_everyone()
+root = out / "project" / "checkpoints"
+report["checkpoints"] = sorted(p.name for p in root.iterdir())
+report["complete"] = sorted(p.name for p in root.iterdir() if (p / "CKPTDOCTOR_COMPLETE").is_file())
+(out / f"rank{rank}.json").write_text(json.dumps(report))
