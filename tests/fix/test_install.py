@@ -10,14 +10,15 @@ from support.paths import JOBS
 pytestmark = pytest.mark.slow
 
 
-def ddp_job(tmp_path, mode):
+def ddp_job(tmp_path, mode, *extra):
     from ckptdoctor.repro.launcher import launch
 
-    out = tmp_path / mode
+    out = tmp_path / "-".join((mode, *extra))
     out.mkdir()
-    result = launch([str(JOBS / "accelerate_ddp_job.py"), str(out), mode], 2, out / "job.log", timeout_s=300,
-                    env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "CKPTDOCTOR_GROUP_TIMEOUT_S": "120"})
-    return result, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out
+    result = launch([str(JOBS / "accelerate_ddp_job.py"), str(out), mode, *extra], 2, out / "job.log", timeout_s=300,
+                    grace_s=10, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+                                     "CKPTDOCTOR_GROUP_TIMEOUT_S": "120"})
+    return result, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()], out
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,21 @@ def test_a_save_failing_on_one_ddp_rank_is_one_error_on_both_and_keeps_k_complet
         assert r["complete"] == ["checkpoint_1", "checkpoint_2"]  # total_limit=2 kept, the failed 3rd unpublished
         assert [name for name in r["checkpoints"] if not name.startswith("checkpoint_3.incomplete-")] == \
             ["checkpoint_1", "checkpoint_2"]
+
+
+def whole(checkpoint) -> bool:
+    """Every file of the two ranks' save is there (what stock's own load needs)."""
+    return all((checkpoint / name).is_file() for name in ("model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                                                          "random_states_1.pkl", "custom_checkpoint_0.pkl"))
+
+
+def test_a_rank_killed_in_a_save_leaves_k_complete_checkpoints_where_stock_leaves_k_minus_1(tmp_path):
+    """SIGKILL (a real one) of rank 1 at the start of the third save, total_limit=2."""
+    left = {}
+    for mode in ("stock", "fix"):
+        result, _, out = ddp_job(tmp_path, mode, "kill")
+        assert result.returncodes[1] == -9, (out / "job.log").read_text()[-2000:]
+        root = out / "project" / "checkpoints"
+        left[mode] = sorted(p.name for p in root.iterdir() if whole(p) and ".incomplete-" not in p.name)
+    assert left["stock"] == ["checkpoint_1"]                       # stock deleted checkpoint_0 first
+    assert left["fix"] == ["checkpoint_0", "checkpoint_1"]         # ours removes only after a publish

@@ -1,17 +1,20 @@
 """One rank of a real Accelerate job on CPU processes (MULTI_CPU: DDP over gloo), started by
 tests/fix/test_install.py with ACCELERATE_USE_CPU=true, as `accelerate launch --cpu` starts one.
 
-    python accelerate_ddp_job.py OUT stock|fix
+    python accelerate_ddp_job.py OUT stock|fix [kill]
 
 Automatic checkpoint naming with total_limit=2: three saves with a training step between each,
 a load back of the newest (load_state() with no directory), then (fix only) a fourth save that
 fails on rank 1 alone (INJECTED: a registered object whose state_dict raises there).
-Each rank writes OUT/rank<N>.json.
+Each rank writes OUT/rank<N>.json. With `kill`: two saves, then rank 1 SIGKILLs itself at the
+start of the third (a save-state pre-hook, after stock has deleted the oldest checkpoint to make
+room, before rank 1 wrote anything); the test reads what is left on disk.
 """
 
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, ProjectConfiguration
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
+kill = sys.argv[3:] == ["kill"]
 rank = int(os.environ["RANK"])
 
 
@@ -60,6 +64,15 @@ if mode == "fix":
     import ckptdoctor
 
     ckptdoctor.install(accelerator)
+if kill:
+    saves = []
+
+    def die_on_the_third_save(models, weights, output_dir):
+        saves.append(output_dir)
+        if len(saves) == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    accelerator.register_save_state_pre_hook(die_on_the_third_save)
 for value in (1.0, 2.0, 3.0):
     step(model, optimizer, accelerator, value)
     accelerator.save_state()
