@@ -58,13 +58,8 @@ def _routed_save(original, group, verify: bool, record, opened):
 
     @functools.wraps(original)
     def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, **kwargs):
-        if planner is not None and type(planner) is not DefaultSavePlanner and not isinstance(planner, ScalableSavePlanner):
-            raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
-                                    f"DefaultSavePlanner, so this save would not be the fix's")
-        if type(storage_writer) is FileSystemWriter:  # a subclass without state of its own: same settings
-            storage_writer.__class__ = ScalableFileSystemWriter
-        elif storage_writer is None and checkpoint_id is not None:
-            storage_writer = ScalableFileSystemWriter(checkpoint_id)
+        _refuse_a_foreign_planner(planner, DefaultSavePlanner, ScalableSavePlanner, "save")
+        storage_writer = _ours(storage_writer, FileSystemWriter, ScalableFileSystemWriter, checkpoint_id)
         if opened is not None:
             opened.checkpoints.append(_relative(getattr(storage_writer, "path", checkpoint_id), opened))
         kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group or group)
@@ -89,13 +84,8 @@ def _routed_load(original, group):
 
     @functools.wraps(original)
     def load(state_dict, *, checkpoint_id=None, storage_reader=None, planner=None, process_group=None, **kwargs):
-        if planner is not None and type(planner) is not DefaultLoadPlanner:
-            raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
-                                    f"DefaultLoadPlanner, so this load would not be the fix's")
-        if type(storage_reader) is FileSystemReader:  # a subclass without state of its own: same settings
-            storage_reader.__class__ = ScalableFileSystemReader
-        elif storage_reader is None and checkpoint_id is not None:
-            storage_reader = ScalableFileSystemReader(checkpoint_id)
+        _refuse_a_foreign_planner(planner, DefaultLoadPlanner, (), "load")
+        storage_reader = _ours(storage_reader, FileSystemReader, ScalableFileSystemReader, checkpoint_id)
         options = {} if planner is None else dict(flatten_state_dict=planner.flatten_state_dict,
                                                   flatten_sharded_tensors=planner.flatten_sharded_tensors,
                                                   allow_partial_load=planner.allow_partial_load)
@@ -103,6 +93,22 @@ def _routed_load(original, group):
                         planner=ScalableLoadPlanner(**options), process_group=process_group or group, **kwargs)
 
     return load
+
+
+def _refuse_a_foreign_planner(planner, stock: type, ours, what: str) -> None:
+    if planner is not None and type(planner) is not stock and not isinstance(planner, ours):
+        raise CheckpointAborted(f"Accelerate passed a {type(planner).__name__}; ckptdoctor replaces only "
+                                f"{stock.__name__}, so this {what} would not be the fix's")
+
+
+def _ours(storage, plain: type, ours: type, checkpoint_id):
+    """Our writer or reader for Accelerate's: a plain FileSystemWriter/Reader becomes ours in place
+    (a subclass without state of its own: same settings); none given, ours at `checkpoint_id`."""
+    if type(storage) is plain:
+        storage.__class__ = ours
+    elif storage is None and checkpoint_id is not None:
+        storage = ours(checkpoint_id)
+    return storage
 
 
 def _relative(path, opened) -> str:
