@@ -1,5 +1,6 @@
-"""`install` on a real Accelerate job of several processes: MULTI_CPU (DDP over gloo), two ranks,
-Accelerate's automatic checkpoint naming with total_limit (tests/jobs/accelerate_ddp_job.py)."""
+"""`install` on a real Accelerate job of several processes: MULTI_CPU (DDP over gloo) and FSDP2
+(Accelerate's own path, on CPU), two ranks, Accelerate's automatic checkpoint naming with
+total_limit (tests/jobs/accelerate_ddp_job.py)."""
 
 import json
 
@@ -21,25 +22,31 @@ def ddp_job(tmp_path, mode, *extra):
     return result, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()], out
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
-    return {mode: ddp_job(tmp, mode) for mode in ("stock", "fix")}
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def runs(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    extra = ("fsdp2",) if request.param == "fsdp2" else ()
+    return request.param, {mode: ddp_job(tmp, mode, *extra) for mode in ("stock", "fix")}
 
 
-def test_two_ddp_ranks_save_and_resume_the_newest_as_stock_does(runs):
+def test_two_ranks_save_and_resume_the_newest_as_stock_does(runs):
+    layout, runs = runs
     for mode in ("stock", "fix"):
         result, reports, out = runs[mode]
         assert result.returncodes == [0, 0], (out / "job.log").read_text()[-3000:]
         for r in reports:
-            assert r["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert r["distributed_type"] == {"ddp": "DistributedType.MULTI_CPU", "fsdp2": "DistributedType.FSDP"}[layout]
             assert r["loaded"] == r["saved"] != r["moved"]  # the newest checkpoint, bit for bit
     assert [r["iteration"] for r in runs["fix"][1]] == [r["iteration"] for r in runs["stock"][1]] == [3, 3]
     assert runs["stock"][1][0]["checkpoints"] == ["checkpoint_1", "checkpoint_2"]
+    if layout == "fsdp2":  # every save went through DCP, with the fix's writer (its index beside .metadata)
+        newest = runs["fix"][2] / "project" / "checkpoints" / "checkpoint_2"
+        assert sorted(p.parent.name for p in newest.glob("*/.ckptdoctor-index")) == ["optimizer_0",
+                                                                                      "pytorch_model_fsdp_0"]
 
 
-def test_a_save_failing_on_one_ddp_rank_is_one_error_on_both_and_keeps_k_complete_checkpoints(runs):
-    result, reports, out = runs["fix"]
+def test_a_save_failing_on_one_rank_is_one_error_on_both_and_keeps_k_complete_checkpoints(runs):
+    result, reports, out = runs[1]["fix"]
     errors = {r["error"] for r in reports}
     assert len(errors) == 1 and all(r["error_type"] == "CheckpointAborted" and r["is_oserror"] for r in reports)
     assert errors.pop().startswith("checkpoint aborted at 'save_state': rank(s) 1: OSError: [Errno 28] No space left")

@@ -1,14 +1,16 @@
 """One rank of a real Accelerate job on CPU processes (MULTI_CPU: DDP over gloo), started by
 tests/fix/test_install.py with ACCELERATE_USE_CPU=true, as `accelerate launch --cpu` starts one.
 
-    python accelerate_ddp_job.py OUT stock|fix [kill]
+    python accelerate_ddp_job.py OUT stock|fix [kill] [fsdp2]
 
 Automatic checkpoint naming with total_limit=2: three saves with a training step between each,
 a load back of the newest (load_state() with no directory), then (fix only) a fourth save that
 fails on rank 1 alone (INJECTED: a registered object whose state_dict raises there).
 Each rank writes OUT/rank<N>.json. With `kill`: two saves, then rank 1 SIGKILLs itself at the
 start of the third (a save-state pre-hook, after stock has deleted the oldest checkpoint to make
-room, before rank 1 wrote anything); the test reads what is left on disk.
+room, before rank 1 wrote anything); the test reads what is left on disk. With `fsdp2`: the model
+is sharded by Accelerate's FSDP2 path (SHARDED_STATE_DICT, so every save and load goes through DCP),
+made to run on CPU processes the way `ckptdoctor selftest` does (selftest/accelerate_cpu.py).
 """
 
 import hashlib
@@ -23,7 +25,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, ProjectConfiguration
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-kill = sys.argv[3:] == ["kill"]
+kill, fsdp2 = "kill" in sys.argv[3:], "fsdp2" in sys.argv[3:]
 rank = int(os.environ["RANK"])
 
 
@@ -40,7 +42,9 @@ class FailsOnRank1:
 
 
 def digest(model) -> str:
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    """This rank's parameters (its shards, under FSDP2)."""
+    local = [getattr(p, "to_local", lambda p=p: p)().detach() for p in model.parameters()]
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in local)).hexdigest()
 
 
 def step(model, optimizer, accelerator, value):
@@ -51,9 +55,20 @@ def step(model, optimizer, accelerator, value):
 
 report = {"rank": rank}
 config = ProjectConfiguration(project_dir=str(out / "project"), automatic_checkpoint_naming=True, total_limit=2)
-accelerator = Accelerator(project_config=config)
+if fsdp2:
+    import torch.distributed as dist
+    from accelerate import FullyShardedDataParallelPlugin
+
+    from ckptdoctor.selftest.accelerate_cpu import enable_fsdp_on_cpu
+
+    dist.init_process_group("gloo")
+    enable_fsdp_on_cpu()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = Accelerator(cpu=True, project_config=config, fsdp_plugin=plugin)
+else:
+    accelerator = Accelerator(project_config=config)
 report["distributed_type"] = str(accelerator.distributed_type)
-assert accelerator.distributed_type == DistributedType.MULTI_CPU, accelerator.distributed_type
+assert accelerator.distributed_type == (DistributedType.FSDP if fsdp2 else DistributedType.MULTI_CPU)
 torch.manual_seed(0)
 model = torch.nn.Linear(6, 3)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
