@@ -44,7 +44,6 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from ckptdoctor.fix import checkpointing
 from ckptdoctor.fix.checkpointing import ScalableCheckpointing
 from ckptdoctor.fix.install import install
 
@@ -240,8 +239,9 @@ def main() -> int:
             ckpt.save_state(root / "step-1" / "accelerator")
             ckpt.save_state(root / "step-2" / "accelerator")
             if rank == target:  # this host's view lags: the newest step is not complete to it
-                real = checkpointing.counts_as_checkpoint
-                checkpointing.counts_as_checkpoint = lambda p, *a: False if "step-2" in str(p) else real(p, *a)
+                from ckptdoctor.fix import publish as publishing
+                real = publishing.counts_as_checkpoint
+                publishing.counts_as_checkpoint = lambda p, *a: False if "step-2" in str(p) else real(p, *a)
             report["resumed_from"] = str(ckpt.latest(root, "accelerator"))
         elif fault == "marker-fails":  # INJECTED: rank 0's completion marker hits ENOSPC after the rename
             if rank == 0:
