@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import _validate_global_plan
@@ -64,7 +64,8 @@ def tensors_and_chunks(draw):
 
 @settings(max_examples=400, deadline=None)
 @given(tensors_and_chunks())
-def test_linear_validation_agrees_with_torch(case):
+@example(([4, 2], [((0, 0), (4, 1)), ((0, 1), (2, 1)), ((2, 0), (0, 1)), ((2, 1), (2, 1))]))  # an empty chunk
+def test_linear_validation_agrees_with_torch(case):                                       # inside another
     size, chunks = case
     if any(s < 0 for _, sizes in chunks for s in sizes):
         return  # torch.Size rejects negative sizes before any planner sees them

@@ -648,9 +648,15 @@ def _validate_tensor(key: str, size: tuple[int, ...], chunks: list[tuple[tuple, 
 
 
 def _overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two non-empty chunks share an element, in time linear in the chunks when
-    they form a grid (every FSDP/HSDP layout): count coverage on the grid of their edges."""
+    """Whether two chunks overlap as torch's box test says: two non-empty chunks that share an
+    element, found in time linear in the chunks when they form a grid (every FSDP/HSDP layout:
+    count coverage on the grid of their edges); or an empty chunk that lies strictly inside a
+    non-empty one (torch's test has no case for size 0; FSDP's empty chunks sit at a dim's end,
+    which never counts)."""
     boxes = [(o, s) for o, s in chunks if all(s)]
+    empties = {(o, s) for o, s in chunks if not all(s)}  # FSDP's are all alike: checked once
+    if any(_overlap_pairwise([empty, box]) for empty in empties for box in boxes):
+        return True
     if len(boxes) < 2:
         return False
     split = _single_split_dim(boxes)
