@@ -24,13 +24,11 @@ SDIST_SHA256 = {  # the registry's accelerate-<v>.tar.gz, as downloaded 2026-12-
 TEST_ONLY_PACKAGES = ["parameterized==0.9.0"]
 FIX_PLUGIN = "import ckptdoctor.auto  # ckptdoctor.install(accelerator) after every Accelerator.prepare\n"
 GROUP_PLUGIN = """\
-import os, socket
+import os
 import torch.distributed as dist
+from ckptdoctor.ports import free_port
 
-with socket.socket() as sock:
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")  # one rank: how a job of one process inside a launcher runs
 """
 PIP_ENV = {"PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}

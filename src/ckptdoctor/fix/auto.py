@@ -7,9 +7,10 @@ of the process (Ascend users know the shape from `torch_npu.contrib.transfer_to_
 
     import ckptdoctor.auto          # e.g. first line of the training script, or via sitecustomize
 
-How: `enable()` wraps `accelerate.Accelerator.prepare` (the class attribute: this is the
-project's one monkeypatch of Accelerate, version-checked by `compat.check_versions` and undone
-by `disable()`). After each `prepare(...)` returns, `install(self)` runs (a second call on the
+How: `enable()` wraps `accelerate.Accelerator.prepare` (the class attribute: the fix's only
+change to Accelerate's class, made only on this import, version-checked by `compat.check_versions`
+and undone by `disable()`; the other change to Accelerate, selftest/accelerate_cpu.py, is for
+CPU-only hosts). After each `prepare(...)` returns, `install(self)` runs (a second call on the
 same Accelerator returns the first one's ScalableCheckpointing). Settings come from the
 CKPTDOCTOR_* variables (settings.py); `save_root` from CKPTDOCTOR_SAVE_ROOT.
 

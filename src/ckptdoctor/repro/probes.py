@@ -16,7 +16,7 @@ Three probes, all read-only:
   passes to `dist_cp.save`) is wrapped too, to keep each rank's local plan: the simulator
   is tested against these real plans item by item.
   These are the lab's monkeypatches (the product's are `selftest/accelerate_cpu.py`'s, for
-  CPU-only hosts): pass-through wrappers, checked against the torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
+  CPU-only hosts, and `fix/auto.py`'s, opt-in): pass-through wrappers, checked against the torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
   torch_npu is installed it is imported first: it replaces `gather_object` on import, and the
   wrapper must time the function the save will call.
 """
