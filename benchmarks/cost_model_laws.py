@@ -8,7 +8,7 @@ written). Each law here is fitted on two points and compared with a third, measu
 run (best of `repeats`, taken round-robin over the Ns, so a slow spell on shared cores hits every
 N). Reports each law's prediction / measurement ratio. These were tests with a +-30 % bound; a
 CPU-time law is a benchmark's business: a loaded machine (one CI run inflated N=256 by 60 %)
-must not turn a suite red. The suite keeps what does not depend on time (tests/simulate).
+must not turn a suite red. The suite keeps what does not depend on time (tests/check).
 """
 
 import argparse
@@ -17,10 +17,10 @@ import math
 import time
 from pathlib import Path
 
-from ckptdoctor.check.cost_model import _extrapolate_linear, _extrapolate_power
+from ckptdoctor.check.fits import extrapolate_linear, extrapolate_power
 from ckptdoctor.check.layout import Layout
 from ckptdoctor.check.mova_shape import MovaShape
-from ckptdoctor.check.rank0 import measure_coordinator, measure_planning_ours, validation_seconds_per_tensor
+from ckptdoctor.check.save_phases import measure_coordinator, measure_planning_ours, validation_seconds_per_tensor
 from ckptdoctor.check.state_dicts import mova_specs
 
 # Widths above the largest N: a dimension smaller than the shard group gives the extra ranks the
@@ -41,7 +41,7 @@ def validation_law(repeats: int) -> dict:
     """Stock's quadratic validation, one 5120 x 5120 tensor: fit 256, 512; predict 1024."""
     layout, shape = Layout.parse("fsdp"), (5120, 5120)
     measured = interleaved_best(lambda n: validation_seconds_per_tensor(shape, n, layout), (256, 512, 1024), repeats)
-    predicted, exponent = _extrapolate_power({n: measured[n] for n in (256, 512)}, 1024)
+    predicted, exponent = extrapolate_power({n: measured[n] for n in (256, 512)}, 1024)
     return {"law": "stock validation, power in N", "fit": "N=256,512", "at": "N=1024", "measured_s": measured[1024],
             "predicted_s": predicted, "exponent": round(exponent, 2)}
 
@@ -53,7 +53,7 @@ def coordinator_law(repeats: int) -> dict:
                                                                             validation_sample=1).phase_s.items()
                                           if k != "validate"), (8, 16, 32), repeats)
     return {"law": "stock per-item phases, line in N", "fit": "N=8,16", "at": "N=32", "measured_s": runs[32],
-            "predicted_s": _extrapolate_linear({8: runs[8], 16: runs[16]}, 32)}
+            "predicted_s": extrapolate_linear({8: runs[8], 16: runs[16]}, 32)}
 
 
 def ours_finish_law(repeats: int) -> dict:
@@ -63,7 +63,7 @@ def ours_finish_law(repeats: int) -> dict:
                                                                 planner="ours").phase_s.values()), ns, repeats)
     chunks = {n: measure_planning_ours("optimizer", specs, n, layout, repeats=1)["chunks"] for n in ns}
     return {"law": "ours' finish, line in items written", "fit": "N=16,32", "at": "N=96", "measured_s": finish[96],
-            "predicted_s": _extrapolate_linear({chunks[16]: finish[16], chunks[32]: finish[32]}, chunks[96])}
+            "predicted_s": extrapolate_linear({chunks[16]: finish[16], chunks[32]: finish[32]}, chunks[96])}
 
 
 def main() -> int:

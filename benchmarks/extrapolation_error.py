@@ -17,7 +17,8 @@ import json
 import sys
 import time
 
-from ckptdoctor.check.cost_model import HERE, ScalingOptions, _jobs, build_records, run_job
+from ckptdoctor.check.jobs import HERE, run_job
+from ckptdoctor.check.save_model import ScalingOptions, _jobs, build_records
 from ckptdoctor.check.layout import Layout
 
 BASES = {"check (N<=16)": 16, "documents (N<=32)": 32}

@@ -109,3 +109,26 @@ def test_a_flag_takes_its_default_from_the_options_the_command_builds(command, f
 ])
 def test_a_value_the_options_refuse_is_one_line(args, fragment):
     _one_clear_line(_run(*args), fragment)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--layout", "tp:2"], "unknown layout 'tp:2'"),
+    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
+    (["--ranks", "0"], "at least 1"),
+    (["--ranks", "8,x"], "comma-separated integers"),
+])
+def test_simulate_cli_bad_input_is_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "simulate", *args], capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--ranks", "1144", "--torch", "2.9.0"], "--torch 2.9.0: this interpreter has torch"),
+    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
+    (["--ranks", "8", "--warn-fraction", "2"], "--warn-fraction must be in (0, 1]"),
+])
+def test_check_bad_input_is_one_clear_line(args, message):
+    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", *args], capture_output=True, text=True)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

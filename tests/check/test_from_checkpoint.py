@@ -9,7 +9,8 @@ import pytest
 
 from ckptdoctor.check.layout import Layout
 from ckptdoctor.check.mova_shape import MovaShape
-from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, local_plan, plan_signature, rank_plans
+from ckptdoctor.check.fake_world import init_fake_world
+from ckptdoctor.check.save_phases import _default_metadata, local_plan, plan_signature, rank_plans
 from ckptdoctor.check.state_dicts import find_checkpoints, mova_specs, read_checkpoint_entries
 from ckptdoctor.errors import CkptDoctorError
 from ckptdoctor.fix.compat import installed_versions
@@ -26,7 +27,7 @@ WRITTEN_HERE = "written by torch 2.15 or newer" if tuple(map(int, installed_vers
 
 def write_stock_metadata(directory, save, specs, ranks, layout):
     """The .metadata a stock save of MOVA's `save` at `ranks` ranks writes: torch's own global
-    plan over every rank's local plan (check/rank0.py derives them in the fake world)."""
+    plan over every rank's local plan (check/save_phases.py derives them in the fake world)."""
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     _, metadata = _default_metadata(DefaultSavePlanner()._dedup_save_plans(list(rank_plans(save, specs, ranks,

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 def fake_world(rank: int, world: int, mesh_shape: tuple[int, ...]):
     """Rank `rank` of `world` in torch's fake process group, on a 1-D (fsdp) or 2-D (hsdp) mesh."""
     from ckptdoctor.check.layout import Layout
-    from ckptdoctor.check.rank0 import init_fake_world
+    from ckptdoctor.check.fake_world import init_fake_world
 
     layout = Layout.parse("fsdp" if len(mesh_shape) == 1 else f"hsdp:{mesh_shape[1]}")
     assert layout.mesh_shape(world) == mesh_shape

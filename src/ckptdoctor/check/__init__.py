@@ -4,8 +4,10 @@ save at N ranks, stock and fixed, on torch's own planner code (product: no lab n
 * ``layout``: the mesh a save runs on (fsdp, hsdp:S);
 * ``state_dicts``: what a save receives: MOVA's parameters or an existing checkpoint's entries;
 * ``mova_model``: MOVA's parameter structure (also the lab's training model);
-* ``rank0``: one measurement of rank 0's phases, in one process, under torch's fake process group;
-* ``cost_model``: the measurements at small N and the fits beyond;
-* ``load_ranks``, ``load_cost_model``: the same for a resume (``check --load``);
+* ``save_phases``, ``load_phases``: one measurement of a save's phases (rank 0's) or a load's (every
+  rank's and rank 0's), in one process, under torch's fake process group (``fake_world``);
+* ``jobs``: how a model runs one measurement in the interpreter it measures (the job kinds);
+* ``save_model``, ``load_model``: the measurements at small N and the fits beyond (``fits``),
+  for a save and for a resume (``check --load``); ``units`` writes their tables;
 * ``preflight``: the check itself, its warnings.
 """

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import CkptDoctorError
-from .cost_model import DEADLINE_S, ScalingOptions, _fmt_s, build_records, measure_all
+from .save_model import DEADLINE_S, ScalingOptions, build_records, measure_all
 from .layout import Layout
+from .units import fmt_s
 
 # benchmarks/extrapolation_error.py, docs/evidence/extrapolation_n256_user.txt (torch 2.8.0, MOVA sft, fsdp):
 # stock planning extrapolated from N <= 16 read 0.70x (model) and 0.87x (optimizer) of a direct
@@ -59,15 +60,15 @@ def run_check(opts: CheckOptions, progress=print) -> dict:
     if any(r["planner"] == "stock" and not r["measured"] for r in records):
         notes.append(EXTRAPOLATED)
     ours = {r["save"]: r["coordinator_s"] for r in records if r["planner"] == "ours"}
-    warnings = [f"{r['save']} save: rank 0 plans for about {_fmt_s(r['coordinator_s'])} "
-                f"({r['coordinator_s'] / deadline_s:.0%} of the {_fmt_s(deadline_s)} deadline) with the stock planner; "
-                f"use ckptdoctor's ScalableSavePlanner (`ckptdoctor docs fix-for-mova`): about {_fmt_s(ours[r['save']])}"
+    warnings = [f"{r['save']} save: rank 0 plans for about {fmt_s(r['coordinator_s'])} "
+                f"({r['coordinator_s'] / deadline_s:.0%} of the {fmt_s(deadline_s)} deadline) with the stock planner; "
+                f"use ckptdoctor's ScalableSavePlanner (`ckptdoctor docs fix-for-mova`): about {fmt_s(ours[r['save']])}"
                 for r in records if r["planner"] == "stock" and r["coordinator_s"] >= warn_fraction * deadline_s]
     load_records = _predict_loads(ranks, layout, saves, progress) if opts.load else []
     warnings += [f"resume of the {r['save']} save: rank 0 reads the .metadata and exchanges load plans for about "
-                 f"{_fmt_s(_stock_load_s(r))} ({_stock_load_s(r) / deadline_s:.0%} of the {_fmt_s(deadline_s)} "
+                 f"{fmt_s(_stock_load_s(r))} ({_stock_load_s(r) / deadline_s:.0%} of the {fmt_s(deadline_s)} "
                  f"deadline) with stock load_state; ScalableCheckpointing.load_state: about "
-                 f"{_fmt_s(r['ours']['read_s'] + r['ours']['rank0_exchange_s'])}"
+                 f"{fmt_s(r['ours']['read_s'] + r['ours']['rank0_exchange_s'])}"
                  for r in load_records if _stock_load_s(r) >= warn_fraction * deadline_s]
     return {"ranks": ranks, "layout": str(layout), "mode": "checkpoint" if checkpoint else mode,
             "checkpoint": checkpoint, "torch": installed, "deadline_s": deadline_s, "warn_fraction": warn_fraction,
@@ -75,8 +76,8 @@ def run_check(opts: CheckOptions, progress=print) -> dict:
 
 
 def _predict_loads(ranks: int, layout: Layout, saves: ScalingOptions, progress) -> list[dict]:
-    """The resume at `ranks` (load_cost_model.py), beside smaller N for the chunk-line fit."""
-    from .load_cost_model import LoadOptions, build_records as load_records, measure_all as measure_loads
+    """The resume at `ranks` (load_model.py), beside smaller N for the chunk-line fit."""
+    from .load_model import LoadOptions, build_records as load_records, measure_all as measure_loads
 
     ns = sorted({n for n in (*LOAD_ANCHORS, ranks) if n <= ranks and (layout.kind == "fsdp" or n % layout.shard == 0)})
     opts = LoadOptions(ranks=ns, layouts=[layout], mode=saves.mode, saves=saves.saves, checkpoints=saves.checkpoints)

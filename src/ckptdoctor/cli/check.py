@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..check.cost_model import format_table
+    from ..check.save_model import format_table
     from ..check.preflight import run_check
 
     opts = CheckOptions(ranks=args.ranks, layout=args.layout, mode=args.mode, checkpoint=args.from_checkpoint,
@@ -50,7 +50,7 @@ def run(args) -> int:
     result = run_check(opts, progress=lambda line: print(line, flush=True))
     print(format_table(result["records"]))
     if result["load_records"]:
-        from ..check.load_cost_model import format_table as format_loads
+        from ..check.load_model import format_table as format_loads
 
         print(format_loads(result["load_records"]))
     for line in result["notes"]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..check.cost_model import ScalingOptions
+from ..check.save_model import ScalingOptions
 from ..check.layout import Layout
 from .arguments import default, int_list, write_json
 
@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..check.cost_model import build_records, format_table, measure_all
+    from ..check.save_model import build_records, format_table, measure_all
     from ..simulate.scaling import plot, stack_python
 
     layouts = [Layout.parse(x) for x in args.layout.split(",")]
@@ -61,7 +61,7 @@ def run(args) -> int:
 
 
 def _run_load(args, layouts, stacks) -> int:
-    from ..check.load_cost_model import LoadOptions, build_records, format_table, measure_all
+    from ..check.load_model import LoadOptions, build_records, format_table, measure_all
     from ..simulate.scaling import stack_python
 
     opts = LoadOptions(ranks=sorted(set(args.ranks)), layouts=layouts, mode=args.mode, stacks=stacks)

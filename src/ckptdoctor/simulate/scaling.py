@@ -1,6 +1,6 @@
 """`ckptdoctor simulate`: rank 0's share of the save at N ranks, on the lab's pinned stacks.
 
-The cost model is the product's (check/cost_model.py); the lab runs it in each stack's
+The cost model is the product's (check/save_model.py); the lab runs it in each stack's
 interpreter (.venv/<stack>/bin/python), so that torch 2.8.0 and the newest torch are
 compared in one run, and plots it.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..check.cost_model import DEADLINE_S, HERE
+from ..check.jobs import HERE
+from ..check.save_model import DEADLINE_S
 from ..errors import CkptDoctorError
 from ..repro.stacks import STACKS
 

@@ -1,8 +1,8 @@
 """Rank 0's share of a save at N ranks, measured or extrapolated: the cost model behind
 `ckptdoctor check` (and the lab's `ckptdoctor simulate`).
 
-Runs rank0.py's jobs in an interpreter whose torch is measured (this one, by default) and
-fits cost laws where a full measurement would take hours:
+Runs save_phases.py's measurements as jobs (jobs.py) in an interpreter whose torch is measured
+(this one, by default) and fits cost laws (fits.py) where a full measurement would take hours:
 
 * the per-item phases (unpickling, dedup, metadata, pickling, finish) are measured with
   every rank's plan materialised up to `max_measured` ranks and extrapolated linearly in N
@@ -24,39 +24,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
-import math
-import os
-import subprocess
-import sys
 
-from ..errors import CkptDoctorError
-from .layout import Layout
-from .mova_shape import MovaShape
+from .fits import extrapolate_linear, extrapolate_power
+from .jobs import Workload, here_only, run_job
+from .units import fmt_b, fmt_s
 
 DEADLINE_S = 1800.0
 FINISH_PREFIX = "finish: "
 TOTALS = ("items_gathered", "bytes_to_rank0", "bytes_from_rank0", "peak_mem_bytes")
-HERE = "here"  # this interpreter and the torch installed with it (an installed wheel, no checkout)
-
-
-@dataclasses.dataclass
-class Workload:
-    """The saves to measure (MOVA's in `mode`, or existing checkpoints'), where and at which N."""
-
-    ranks: list[int]
-    layouts: list[Layout]
-    mode: str = "sft"
-    stacks: list[str] = dataclasses.field(default_factory=lambda: [HERE])
-    saves: tuple[str, ...] = ("model", "optimizer")
-    shape: MovaShape = dataclasses.field(default_factory=MovaShape.real)
-    checkpoints: dict[str, str] = dataclasses.field(default_factory=dict)  # save name -> a DCP checkpoint's directory
-
-    def source(self, save: str) -> dict:
-        """What a job needs to build `save`'s state dicts (rank0.job_specs reads it)."""
-        if save in self.checkpoints:
-            return {"checkpoint": self.checkpoints[save]}
-        return {"shape": dataclasses.asdict(self.shape), "mode": self.mode}
 
 
 @dataclasses.dataclass
@@ -65,23 +40,6 @@ class ScalingOptions(Workload):
     max_measured: int = 16
     max_validated: int = 2816  # torch's validation sampled at every N up to here (chunk counts step with N)
     parallel: int = 2
-
-
-def here_only(stack: str) -> str:
-    """The interpreter for `stack`: the product measures only the torch installed with it."""
-    if stack != HERE:
-        raise CkptDoctorError(f"stack {stack!r} is the lab's (a checkout's .venv); check measures the torch installed here")
-    return sys.executable
-
-
-def run_job(python: str, job: dict, module: str = "ckptdoctor.check.rank0") -> dict:
-    """One measurement job in `python` (a fresh process: its memory is the job's), its JSON answer."""
-    proc = subprocess.run([python, "-m", module, json.dumps(job)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise CkptDoctorError(f"simulation job {job.get('kind')} failed in {python}: "
-                              f"{proc.stderr.strip().splitlines()[-1:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _jobs(opts: ScalingOptions):
@@ -123,30 +81,6 @@ def measure_all(opts: ScalingOptions, progress=print, python_for=here_only) -> d
 
 def _validation_s(per_class) -> float:
     return sum(count * seconds for _, count, seconds in per_class)
-
-
-def _extrapolate_linear(points: dict[int, float], n: int) -> float:
-    """Straight line through the two largest measured x (the smallest can be degenerate:
-    hsdp:8 at N=8 has no replicas); constant when there is only one x."""
-    if len(points) == 1:
-        return next(iter(points.values()))
-    (n0, y0), (n1, y1) = sorted(points.items())[-2:]
-    slope = (y1 - y0) / (n1 - n0)
-    return max(y1 + slope * (n - n1), 0.0)
-
-
-def log_log_slope(xs, ys) -> float:
-    """Least-squares slope of log y against log x: the exponent of a power law."""
-    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
-
-
-def _extrapolate_power(points: dict[int, float], n: int) -> tuple[float, float]:
-    """Power law through the last two measured N; returns (value, exponent)."""
-    (n0, y0), (n1, y1) = sorted(points.items())[-2:]
-    exponent = log_log_slope([n0, n1], [max(y0, 1e-9), max(y1, 1e-9)])
-    return y1 * (n / n1) ** exponent, exponent
 
 
 def build_records(opts: ScalingOptions, results: dict) -> list[dict]:
@@ -195,7 +129,7 @@ def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, 
         finish_totals = {k: coord[n][k] for k in ("results_to_rank0", "peak_mem_bytes")}
     else:
         how = f"extrapolated (linear in items written, fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-        finish, finish_totals = _on_the_line(coord, planned["chunks"], ("results_to_rank0", "peak_mem_bytes"),
+        finish, finish_totals = on_the_line(coord, planned["chunks"], ("results_to_rank0", "peak_mem_bytes"),
                                              x_of=chunks.get)
     phase_s = finish | planned["phase_s"]
     basis = {k: how for k in finish} | {k: "measured" for k in planned["phase_s"]}
@@ -213,18 +147,18 @@ def _from_coordinator(coord: dict[int, dict], n: int) -> tuple[dict, dict, dict]
         m = coord[n]
         return dict(m["phase_s"]), {k: "measured" for k in m["phase_s"]}, {k: m[k] for k in TOTALS + ("results_to_rank0",)}
     fit = f"extrapolated (linear fit from N={','.join(map(str, sorted(coord)[-2:]))})"
-    phase_s, totals = _on_the_line(coord, n, TOTALS + ("results_to_rank0",))
+    phase_s, totals = on_the_line(coord, n, TOTALS + ("results_to_rank0",))
     return phase_s, {phase: fit for phase in phase_s}, totals
 
 
-def _on_the_line(coord: dict[int, dict], x: float, totals, x_of=lambda n: n) -> tuple[dict, dict]:
+def on_the_line(coord: dict[int, dict], x: float, totals, x_of=lambda n: n) -> tuple[dict, dict]:
     """(phase seconds, totals) at x on the straight line through the measurements at each N,
     placed at x_of(N). A peak does not shrink with more data, so the peak memory is never
     below what the measured points reached."""
     xs = [x_of(n) for n in coord]
 
     def line(values):
-        return _extrapolate_linear(dict(zip(xs, values)), x)
+        return extrapolate_linear(dict(zip(xs, values)), x)
 
     points = list(coord.values())
     phase_s = {k: line([m["phase_s"][k] for m in points]) for k in coord[max(coord)]["phase_s"]}
@@ -237,7 +171,7 @@ def _stock_validation(valid: dict[int, float], n: int) -> tuple[float, str]:
     """torch's validation: measured on a sample at n, else the power law of the last two N."""
     if n in valid:
         return valid[n], "measured on a sample (one tensor per shape, scaled by count)"
-    seconds, exponent = _extrapolate_power(valid, n)
+    seconds, exponent = extrapolate_power(valid, n)
     last_two = sorted(valid)[-2:]
     return seconds, f"extrapolated (N^{exponent:.2f} fit from N={last_two[0]},{last_two[1]})"
 
@@ -256,8 +190,8 @@ def format_table(records: list[dict]) -> str:
         plan = r["coordinator_s"]
         flag = " > 30 min" if plan > DEADLINE_S else ""
         lines.append(f"{r['torch']:>7} {r['planner']:>7} {r['layout']:>7} {r['save']:>{width}} {r['ranks']:>5}  "
-                     f"{_fmt_s(plan):>15} {_validate_cell(r):>17} {_fmt_b(r['bytes_to_rank0']):>10} "
-                     f"{_fmt_b(r['peak_mem_bytes']):>10}  {_fmt_s(r['finish_s']):>11}  "
+                     f"{fmt_s(plan):>15} {_validate_cell(r):>17} {fmt_b(r['bytes_to_rank0']):>10} "
+                     f"{fmt_b(r['peak_mem_bytes']):>10}  {fmt_s(r['finish_s']):>11}  "
                      f"{'measured' if r['measured'] else 'extrapolated'}{flag}")
     return "\n".join(lines)
 
@@ -265,20 +199,4 @@ def format_table(records: list[dict]) -> str:
 def _validate_cell(record: dict) -> str:
     """Stock's validation is its own phase; ours validates inside its global plan step."""
     seconds = record["phase_s"].get("validate")
-    return "in global plan" if seconds is None else _fmt_s(seconds)
-
-
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.2f} s"
-
-
-def _fmt_b(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}"
-        n /= 1000
-    return f"{n:.0f} PB"
+    return "in global plan" if seconds is None else fmt_s(seconds)

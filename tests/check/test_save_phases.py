@@ -1,4 +1,5 @@
-"""The simulator in one process: derivation by symmetry, cost laws, bad input."""
+"""A save's phases in one process (check/save_phases.py): every rank's plan derived by symmetry
+from rank 0's, checked against construction, and ours' metadata against stock's."""
 
 import json
 import subprocess
@@ -9,7 +10,6 @@ import pytest
 from ckptdoctor.check.layout import Layout
 from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.check.state_dicts import mova_specs
-from ckptdoctor.errors import BadLayout
 
 from support.fake_ranks import leave_fake_world
 from support.metadata import describe_metadata, listed_items, written_items
@@ -18,7 +18,7 @@ SHAPE = MovaShape().with_layers(12)
 
 
 def run_simulate_job(job: dict) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ckptdoctor.check.rank0", json.dumps(job)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "ckptdoctor.check.jobs", json.dumps(job)], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -33,7 +33,7 @@ def test_derived_plans_equal_constructed_ones_on_sampled_ranks(layout, ranks, sa
 
 def test_a_wrong_derivation_is_caught():
     """verify_derivation must be able to fail: compare against a different layout's plans."""
-    from ckptdoctor.check import rank0 as simulate
+    from ckptdoctor.check import save_phases as simulate
 
     specs = mova_specs(SHAPE, "sft")
     original = simulate.derive_plan
@@ -46,61 +46,6 @@ def test_a_wrong_derivation_is_caught():
         leave_fake_world()
 
 
-# The cost model's laws against a measured, unfitted point (CPU-time laws) are benchmarks/cost_model_laws.py.
-
-
-def test_extrapolation_follows_the_line_and_never_lowers_a_peak():
-    """scaling._on_the_line: every phase and total on the line through the two largest x
-    (N, or the items written at N), and the peak memory floored at the largest measured."""
-    from ckptdoctor.check.cost_model import _on_the_line
-
-    def at(n, seconds, peak):
-        return {"phase_s": {"validate": seconds}, "bytes_to_rank0": 10 * n, "peak_mem_bytes": peak}
-
-    coord = {8: at(8, 9.0, 1), 16: at(16, 1.0, 500), 32: at(32, 3.0, 400)}
-    phase_s, totals = _on_the_line(coord, 64, ("bytes_to_rank0", "peak_mem_bytes"))
-    assert phase_s == {"validate": 7.0}  # through N=16 and 32; N=8 is ignored
-    assert totals == {"bytes_to_rank0": 640, "peak_mem_bytes": 500}  # the line says 200: floored
-    phase_s, _ = _on_the_line(coord, 3000, ("peak_mem_bytes",), x_of={8: 100, 16: 1000, 32: 2000}.get)
-    assert phase_s == {"validate": 5.0}  # placed at the items written, not at N
-
-
-@pytest.mark.parametrize("text", ["ddp", "hsdp:", "hsdp:0", "hsdp:x", "fsdp:8"])
-def test_unknown_layouts_are_rejected(text):
-    with pytest.raises(BadLayout, match="unknown layout"):
-        Layout.parse(text)
-
-
-def test_rank_counts_that_cannot_hold_the_layout_are_rejected():
-    with pytest.raises(BadLayout, match="1144 ranks are not divisible by the shard group of 48"):
-        Layout.parse("hsdp:48").check(1144)
-    with pytest.raises(BadLayout, match="at least 1"):
-        Layout.parse("fsdp").check(0)
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--layout", "tp:2"], "unknown layout 'tp:2'"),
-    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
-    (["--ranks", "0"], "at least 1"),
-    (["--ranks", "8,x"], "comma-separated integers"),
-])
-def test_simulate_cli_bad_input_is_one_clear_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "simulate", *args], capture_output=True, text=True)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--ranks", "1144", "--torch", "2.9.0"], "--torch 2.9.0: this interpreter has torch"),
-    (["--ranks", "1144", "--layout", "hsdp:48"], "not divisible by the shard group"),
-    (["--ranks", "8", "--warn-fraction", "2"], "--warn-fraction must be in (0, 1]"),
-])
-def test_check_bad_input_is_one_clear_line(args, message):
-    proc = subprocess.run([sys.executable, "-m", "ckptdoctor.cli", "check", *args], capture_output=True, text=True)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
-
-
 @pytest.mark.parametrize("layout", ["fsdp", "hsdp:4"])
 @pytest.mark.parametrize("mode", ["sft", "lora"])
 def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mode):
@@ -109,7 +54,8 @@ def test_ours_describes_the_same_checkpoint_as_stock_for_mova_shapes(layout, mod
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     from ckptdoctor.fix.planner import build_metadata
-    from ckptdoctor.check.rank0 import _default_metadata, init_fake_world, rank_plans, scalable_local_plan
+    from ckptdoctor.check.fake_world import init_fake_world
+    from ckptdoctor.check.save_phases import _default_metadata, rank_plans, scalable_local_plan
     from ckptdoctor.check.state_dicts import build_state_dict
 
     specs = mova_specs(SHAPE, mode)

@@ -14,7 +14,8 @@ plans, dedup, build the metadata, merge the flatten mappings, validate, the stor
 writer's global step, pickle the scattered plans; and the finish step (unpickle the write
 results, fill in storage data, pickle the metadata). Each phase is timed separately.
 
-This module runs inside the interpreter whose torch it measures; `cost_model.py` drives it.
+This module runs inside the interpreter whose torch it measures, as `jobs.py`'s jobs;
+`save_model.py` drives them.
 """
 
 from __future__ import annotations
@@ -24,27 +25,15 @@ import gc
 import io
 import math
 import pickle
-import resource
 import time
 from collections import ChainMap
 
+from .fake_world import init_fake_world, peak_rss_bytes, rss_bytes
 from .layout import Layout
 from .state_dicts import build_state_dict
 
 
-# -- the fake world ----------------------------------------------------------------------
-
-def init_fake_world(rank: int, ranks: int, layout: Layout):
-    """A fake process group (no communication) in which this process is `rank` of `ranks`."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=rank, world_size=ranks, store=FakeStore())
-    return init_device_mesh("cpu", layout.mesh_shape(ranks))
-
+# -- every rank's local plan ---------------------------------------------------------------
 
 def local_plan(state_dict: dict):
     """Rank-local plan exactly as `dcp.save`'s local step makes it with stock planners."""
@@ -117,15 +106,6 @@ def verify_derivation(save: str, specs, ranks: int, layout: Layout, sample_ranks
 
 # -- the coordinator's work ----------------------------------------------------------------
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 @dataclasses.dataclass
 class CoordinatorMeasurement:
     ranks: int
@@ -164,10 +144,10 @@ class _Timer:
 
 
 def placement_for(rank: int, ranks: int, layout: Layout, planner0):
-    """ScalableSavePlanner's view of rank `rank`'s DTensors (see planner.Placement)."""
+    """ScalableSavePlanner's view of rank `rank`'s DTensors (see ownership.Placement)."""
     from torch.distributed.tensor import DTensor
 
-    from ..fix.planner import Placement
+    from ..fix.ownership import Placement
 
     mesh_shape, coordinate = tuple(layout.mesh_shape(ranks)), tuple(layout.coordinate(rank, ranks))
     placements = tuple(layout.placements())
@@ -181,7 +161,7 @@ def placement_for(rank: int, ranks: int, layout: Layout, planner0):
 def rank_plans(save: str, specs, ranks: int, layout: Layout, planner: str, progress=None):
     """Every rank's local plan as it reaches rank 0 (stock), or the items each rank writes
     (ours: its own DTensor chunks, and the plain items rank 0 assigns it)."""
-    from ..fix.planner import assign_plain_items, item_bytes, owned_shards
+    from ..fix.ownership import assign_plain_items, item_bytes, owned_shards
 
     mesh = init_fake_world(0, ranks, layout)
     plan0, planner0 = local_plan(build_state_dict(save, specs, layout, mesh))
@@ -212,7 +192,7 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
     if planner == "ours":
         return _measure_finish_ours(save, specs, ranks, layout, repeats, progress)
     gc.collect()
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
     blobs = [pickle.dumps(plan) for plan in rank_plans(save, specs, ranks, layout, planner, progress)]
     timer = _Timer()
     for _ in range(repeats):  # the garbage collector on, as torch runs
@@ -224,7 +204,7 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
     return CoordinatorMeasurement(
         ranks=ranks, items_gathered=sum(len(p.items) for p in run.all_plans),
         bytes_to_rank0=ranks * max(map(len, blobs)) + results, bytes_from_rank0=ranks * max(map(len, run.scatter)),
-        results_to_rank0=results, phase_s=timer.phase_s, peak_mem_bytes=max(0, _peak_rss_bytes() - baseline),
+        results_to_rank0=results, phase_s=timer.phase_s, peak_mem_bytes=max(0, peak_rss_bytes() - baseline),
         validated_tensors=run.validated, broadcast_bytes=file_bytes)  # stock broadcasts the metadata it wrote
 
 
@@ -235,7 +215,7 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
     from ..fix.storage import StorageColumns, WrittenItems, _with_storage_columns, columns_coverage_problems
 
     gc.collect()
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
     planner, _ = scalable_local_plan(build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout)))
     metadata = checked(planner.derived_metadata())
     blobs, columns_s = [], 0.0
@@ -265,7 +245,7 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
     padded = ranks * max(map(len, blobs))  # gather_object pads every payload to the largest
     return CoordinatorMeasurement(ranks=ranks, items_gathered=0, bytes_to_rank0=padded, bytes_from_rank0=0,
                                   results_to_rank0=padded, phase_s=timer.phase_s,
-                                  peak_mem_bytes=max(0, _peak_rss_bytes() - baseline), validated_tensors=(0, 0),
+                                  peak_mem_bytes=max(0, peak_rss_bytes() - baseline), validated_tensors=(0, 0),
                                   broadcast_bytes=len(pickle.dumps(metadata)))
 
 
@@ -306,11 +286,11 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     global step and the pickling of the scattered plans."""
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from ..fix.planner import clear_chunk_caches
+    from ..fix.chunks import clear_chunk_caches
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()
-    baseline = _rss_bytes()
+    baseline = rss_bytes()
     clear_chunk_caches()
     start = time.process_time()
     planner, plan0 = scalable_local_plan(state_dict)
@@ -333,7 +313,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
             "distinct_chunk_lists": planner.meshes.chunk_list_count,
             "bytes_to_rank0": ranks * max(map(len, blobs)),  # gather_object pads every payload to the largest
             "bytes_from_rank0": ranks * max(map(len, scatter)), "phase_s": timer.phase_s,
-            "peak_mem_bytes": max(0, _peak_rss_bytes() - baseline)}
+            "peak_mem_bytes": max(0, peak_rss_bytes() - baseline)}
 
 
 @dataclasses.dataclass
@@ -425,58 +405,3 @@ def validation_seconds_per_tensor(shape: tuple[int, ...], ranks: int, layout: La
         _validate_global_plan([], md)
         best = min(best, time.process_time() - start)
     return best
-
-
-def job_specs(job: dict):
-    """The state dicts a job plans: an existing checkpoint's entries, or MOVA's parameters."""
-    from pathlib import Path
-
-    from .mova_shape import MovaShape
-    from .state_dicts import mova_specs, read_checkpoint_entries
-
-    if "checkpoint" in job:
-        return read_checkpoint_entries(Path(job["checkpoint"]))[0]
-    return mova_specs(MovaShape(**job["shape"]), job["mode"])
-
-
-def main(argv=None) -> int:
-    """Measurement entry point for cost_model.py: one JSON job as the argument, JSON out."""
-    import json
-    import sys
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    job = json.loads((argv or sys.argv[1:])[0])
-    specs = job_specs(job)
-    layout = Layout.parse(job["layout"])
-    if job["kind"] == "coordinator":
-        m = measure_coordinator(job["save"], specs, job["ranks"], layout, planner=job.get("planner", "stock"),
-                                validation_sample=job.get("validation_sample"))
-        out = dataclasses.asdict(m)
-    elif job["kind"] == "planning":
-        out = measure_planning_ours(job["save"], specs, job["ranks"], layout)
-    elif job["kind"] == "validation":
-        classes = specs.sharded_shapes(job["save"])
-        out = {"per_class": [[list(shp), count, validation_seconds_per_tensor(shp, job["ranks"], layout)]
-                             for shp, count in classes.items()]}
-    elif job["kind"] == "plans":
-        out = {"plans": simulated_plans(job["save"], specs, job["ranks"], layout)}
-    elif job["kind"] == "verify":
-        out = {"ranks_checked": verify_derivation(job["save"], specs, job["ranks"], layout, job["sample_ranks"])}
-    else:
-        raise ValueError(f"unknown job kind {job['kind']!r}")
-    return print_job_result(out)
-
-
-def print_job_result(out: dict) -> int:
-    """A job's answer to its driver: one JSON line, with the torch that measured it."""
-    import json
-
-    import torch
-
-    print(json.dumps(out | {"torch": torch.__version__.split("+")[0]}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

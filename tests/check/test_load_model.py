@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from ckptdoctor.check.layout import Layout
-from ckptdoctor.check.load_cost_model import LoadOptions, build_records, measure_cell, on_the_chunk_line
+from ckptdoctor.check.load_model import LoadOptions, build_records, measure_cell, on_the_chunk_line
 from ckptdoctor.check.mova_shape import MovaShape
 from ckptdoctor.repro.stacks import current_stack
 

@@ -1,8 +1,8 @@
 """A resume at N ranks, per rank and for rank 0, stock vs the fix: `check --load` (and the lab's
 `simulate --op load`, which runs it in each pinned stack).
 
-Drives load_ranks.py in an interpreter whose torch it measures, one job per measurement (a fresh process, so that
-the memory a metadata read leaves is that read's). What is measured at every N:
+Runs load_phases.py's measurements as jobs (jobs.py) in an interpreter whose torch it measures, one
+process per measurement (so that the memory a metadata read leaves is that read's). What is measured at every N:
 
 * ours: the index file (written at every N; its rows are 20 bytes per chunk), every rank's read
   of it, every rank's read plan (ScalableLoadPlanner), rank 0's exchange (N markers);
@@ -23,8 +23,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .cost_model import Workload, _extrapolate_linear, _fmt_b, _fmt_s, here_only, run_job
+from .fits import extrapolate_linear
+from .jobs import Workload, here_only, run_job
 from .layout import Layout
+from .units import fmt_b, fmt_s
 
 RANKS_PER_NODE = 8
 STOCK_CHUNK_BUDGET = 2_000_000        # stock-written .metadata materialised up to this many chunks
@@ -37,28 +39,24 @@ class LoadOptions(Workload):
     ours_metadata_chunk_budget: int = OURS_METADATA_CHUNK_BUDGET
 
 
-def run_load_job(python: str, job: dict) -> dict:
-    return run_job(python, job, module="ckptdoctor.check.load_ranks")
-
-
 def measure_cell(opts: LoadOptions, python: str, layout: Layout, save: str, n: int, scratch: Path) -> dict:
     """Every measurement of one (interpreter, layout, save, N)."""
     base = opts.source(save) | {"layout": str(layout), "save": save, "ranks": n}
     ours_dir, stock_dir = scratch / "ours", scratch / "stock"
     try:
-        plan = run_load_job(python, base | {"kind": "load-plan"})
-        index = run_load_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": False})
-        ours_read = run_load_job(python, base | {"kind": "load-read", "dir": str(ours_dir), "reader": "ours"})
+        plan = run_job(python, base | {"kind": "load-plan"})
+        index = run_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": False})
+        ours_read = run_job(python, base | {"kind": "load-read", "dir": str(ours_dir), "reader": "ours"})
         chunks = ours_read["chunks_listed"]
         cell = {"chunks": chunks, "plan": plan, "index_bytes": index["index_bytes"], "ours_read": ours_read}
         if chunks <= opts.ours_metadata_chunk_budget:
             shutil.rmtree(ours_dir)
-            ours = run_load_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": True})
-            cell["ours_metadata"] = ours | run_load_job(python, base | {"kind": "load-read", "dir": str(ours_dir),
+            ours = run_job(python, base | {"kind": "load-write-ours", "dir": str(ours_dir), "with_metadata": True})
+            cell["ours_metadata"] = ours | run_job(python, base | {"kind": "load-read", "dir": str(ours_dir),
                                                                         "reader": "stock"})
         if chunks <= opts.stock_chunk_budget:
-            stock = run_load_job(python, base | {"kind": "load-write-stock", "dir": str(stock_dir)})
-            cell["stock_metadata"] = stock | run_load_job(python, base | {"kind": "load-read", "dir": str(stock_dir),
+            stock = run_job(python, base | {"kind": "load-write-stock", "dir": str(stock_dir)})
+            cell["stock_metadata"] = stock | run_job(python, base | {"kind": "load-read", "dir": str(stock_dir),
                                                                           "reader": "stock"})
         return cell
     finally:
@@ -91,7 +89,7 @@ def on_the_chunk_line(cells: dict[int, dict], field: str, value, chunks: int) ->
         return float("nan"), "not measured"
     fit = sorted(measured)[-2:]
     ns = sorted(n for n, c in cells.items() if c["chunks"] in fit and field in c)
-    return _extrapolate_linear({x: measured[x] for x in fit}, chunks), \
+    return extrapolate_linear({x: measured[x] for x in fit}, chunks), \
         f"extrapolated (linear in chunks, fit from N={','.join(map(str, ns))})"
 
 
@@ -151,9 +149,9 @@ def format_table(records: list[dict]) -> str:
     for r in records:
         s, o = r["stock"], r["ours"]
         lines.append(f"{r['torch']:>7} {r['layout']:>7} {r['save']:>9} {r['ranks']:>5} {r['chunks']:>11,}  "
-                     f"{_fmt_b(s['metadata_bytes']):>15} {_fmt_s(s['read_s']):>10} {_fmt_b(s['held_bytes']):>10} "
-                     f"{_fmt_b(s['node_held_bytes']):>10} {_fmt_s(s['local_plan_s']):>10} "
-                     f"{_fmt_s(s['rank0_exchange_s']):>10}  |  {_fmt_b(o['index_bytes']):>10} "
-                     f"{_fmt_s(o['read_s']):>10} {_fmt_b(o['held_bytes']):>10} {_fmt_s(o['local_plan_s']):>10} "
-                     f"{_fmt_s(o['rank0_exchange_s']):>10}  {r['basis']['stock metadata']}")
+                     f"{fmt_b(s['metadata_bytes']):>15} {fmt_s(s['read_s']):>10} {fmt_b(s['held_bytes']):>10} "
+                     f"{fmt_b(s['node_held_bytes']):>10} {fmt_s(s['local_plan_s']):>10} "
+                     f"{fmt_s(s['rank0_exchange_s']):>10}  |  {fmt_b(o['index_bytes']):>10} "
+                     f"{fmt_s(o['read_s']):>10} {fmt_b(o['held_bytes']):>10} {fmt_s(o['local_plan_s']):>10} "
+                     f"{fmt_s(o['rank0_exchange_s']):>10}  {r['basis']['stock metadata']}")
     return "\n".join(lines)

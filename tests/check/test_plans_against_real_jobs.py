@@ -19,13 +19,13 @@ from ckptdoctor.repro.reproduce import MODEL_SAVE, OPTIMIZER_SAVE, ReproOptions,
 
 pytestmark = pytest.mark.slow
 SAVES = {MODEL_SAVE: "model", OPTIMIZER_SAVE: "optimizer"}
-JOB_MODULES = {"save": "ckptdoctor.check.rank0", "load": "ckptdoctor.check.load_ranks"}
+JOB_MODULE = "ckptdoctor.check.jobs"  # one entry point for save and load jobs
 
 
 def simulated(opts: ReproOptions, save: str, op: str = "save") -> list[list]:
     job = {"kind": "plans" if op == "save" else "load-plans", "shape": dataclasses.asdict(opts.shape()),
            "mode": opts.mode, "layout": "fsdp", "save": save, "ranks": opts.world_size}
-    out = subprocess.run([sys.executable, "-m", JOB_MODULES[op], json.dumps(job)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", JOB_MODULE, json.dumps(job)], capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["plans"]
 

@@ -1,6 +1,6 @@
 """A DCP load at N ranks, on torch's own code, in one process: what every rank and rank 0 pay.
 
-The checkpoint is the one a save of MOVA's state dict at N ranks writes (check/rank0.py builds that
+The checkpoint is the one a save of MOVA's state dict at N ranks writes (check/save_phases.py builds that
 state dict with meta DTensors under torch's fake process group):
 
 * stock-written: what `FileSystemWriter` writes, one chunk list object per tensor and one storage
@@ -18,8 +18,8 @@ exchange: the N local plans it unpickles and pickles back (stock) or N markers (
 bytes to and from rank 0, every payload padded to the largest as `gather_object` and
 `scatter_object_list` do. Other ranks' read plans have rank 0's size (each reads one chunk per
 tensor under FSDP or HSDP when the world size is the saving one), so rank 0's exchange is
-measured with N copies of rank 0's plan. `scaling.py` drives this across N, layouts and stacks
-and extrapolates what cannot be held in memory.
+measured with N copies of rank 0's plan. It runs as `jobs.py`'s jobs; `load_model.py` drives them
+across N, layouts and stacks and extrapolates what cannot be held in memory.
 """
 
 from __future__ import annotations
@@ -27,15 +27,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import json
 import pickle
-import resource
-import sys
 import time
 from pathlib import Path
 
 from .layout import Layout
-from .rank0 import _rss_bytes, init_fake_world, job_specs, print_job_result
+from .fake_world import init_fake_world, peak_rss_bytes, rss_bytes
 from .state_dicts import METADATA, build_state_dict
 
 
@@ -128,7 +125,7 @@ def measure_read(directory: Path, reader: str) -> dict:
     from ..fix.index import read_index
 
     gc.collect()
-    before = _rss_bytes()
+    before = rss_bytes()
     start = time.process_time()
     if reader == "stock":
         from torch.distributed.checkpoint import FileSystemReader
@@ -137,14 +134,10 @@ def measure_read(directory: Path, reader: str) -> dict:
         metadata = read_index(directory)
     seconds = time.process_time() - start
     gc.collect()
-    held = _rss_bytes() - before
+    held = rss_bytes() - before
     chunks = sum(len(getattr(md, "chunks", ())) for md in metadata.state_dict_metadata.values())
-    return {"read_s": seconds, "held_bytes": max(0, held), "peak_rss_bytes": _peak_rss_bytes(),
+    return {"read_s": seconds, "held_bytes": max(0, held), "peak_rss_bytes": peak_rss_bytes(),
             "chunks_listed": chunks}
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def flat_state(state_dict: dict) -> dict:
@@ -200,11 +193,11 @@ def _exchange(payload: bytes, ranks: int, max_materialised: int = 256) -> dict:
     Timed with min(N, max_materialised) plans held at once, scaled to N (each plan costs the same)."""
     held = min(ranks, max_materialised)
     gc.collect()
-    before = _rss_bytes()
+    before = rss_bytes()
     start = time.process_time()
     plans = [pickle.loads(payload) for _ in range(held)]
     unpickle_s = time.process_time() - start
-    memory = _rss_bytes() - before
+    memory = rss_bytes() - before
     start = time.process_time()
     back = [pickle.dumps(p) for p in plans]
     pickle_s = time.process_time() - start
@@ -212,30 +205,3 @@ def _exchange(payload: bytes, ranks: int, max_materialised: int = 256) -> dict:
     return {"unpickle_s": unpickle_s * scale, "pickle_s": pickle_s * scale, "plans_held_bytes": max(0, memory) * scale,
             "bytes_to_rank0": ranks * len(payload), "bytes_from_rank0": ranks * max(map(len, back)),
             "plan_bytes": len(payload), "measured_plans": held}
-
-
-def main(argv=None) -> int:
-    """Measurement entry point for load_cost_model.py: one JSON job in argv, JSON out."""
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    job = json.loads((argv or sys.argv[1:])[0])
-    specs = job_specs(job)
-    layout = Layout.parse(job["layout"])
-    if job["kind"] == "load-write-stock":
-        out = write_stock(job["save"], specs, job["ranks"], layout, Path(job["dir"]))
-    elif job["kind"] == "load-write-ours":
-        out = write_ours(job["save"], specs, job["ranks"], layout, Path(job["dir"]), job["with_metadata"])
-    elif job["kind"] == "load-read":
-        out = measure_read(Path(job["dir"]), job["reader"])
-    elif job["kind"] == "load-plan":
-        out = measure_planning(job["save"], specs, job["ranks"], layout)
-    elif job["kind"] == "load-plans":
-        out = {"plans": simulated_read_plans(job["save"], specs, job["ranks"], layout)}
-    else:
-        raise ValueError(f"unknown job kind {job['kind']!r}")
-    return print_job_result(out)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
