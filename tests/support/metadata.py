@@ -28,3 +28,13 @@ def listed_items(metadata) -> list[tuple]:
     return [(key, tuple(chunk.offsets)) for key, md in metadata.state_dict_metadata.items()
             for chunk in getattr(md, "chunks", [])] + \
            [(key, ()) for key, md in metadata.state_dict_metadata.items() if not hasattr(md, "chunks")]
+
+
+def metadata_of(size, chunks):
+    """Metadata of one float32 tensor "t" of `size` with the chunks (offsets, sizes) given."""
+    import torch
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata
+
+    return Metadata({"t": TensorStorageMetadata(
+        properties=TensorProperties(dtype=torch.float32), size=torch.Size(size),
+        chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])})

@@ -40,34 +40,35 @@ Optional: `verify_replicas=True` (or a predicate on keys) adds a CRC-32 of every
 tensor to the handshake, and the save fails, naming the keys, when replicas differ. Stock
 keeps one rank's copy without looking; so does this planner when the check is off.
 
+The pieces live beside this module: every rank's chunk (chunks.py), who writes what
+(ownership.py), the linear validation (validation.py); this module is the protocol.
+
 The global plan, metadata and files are torch's formats, so stock `dcp.load` /
 `accelerator.load_state` read the checkpoint and can reshard it.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import copyreg
 import dataclasses
-import functools
 import hashlib
-import heapq
-import itertools
 import logging
-import math
 import zlib
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.checkpoint import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from ..errors import CkptDoctorError
+from .chunks import MeshIndex
 from .compat import check_torch
+from .ownership import Placement, assign_plain_items, item_bytes, owned_shards
+from .validation import validate_chunks
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-# -- rank 0: the owned path and plain items ---------------------------------------------------
+# -- rank 0: the owned path ------------------------------------------------------------------------
 
 def build_metadata(plans: list[SavePlan]) -> Metadata:
     """The metadata `create_default_global_save_plan` builds from deduplicated plans, without
@@ -259,14 +260,6 @@ def build_metadata(plans: list[SavePlan]) -> Metadata:
                 raise ValueError(f"{fqn} is written by two ranks")
             entry.chunks.append(td.chunk)
     return Metadata(md)
-
-
-def assign_plain_items(sizes: dict[str, int], ranks: int, lowest_rank: bool) -> dict[str, int]:
-    """One writer for each plain item every rank holds: rank 0 (stock's
-    dedup_save_to_lowest_rank), or balanced by bytes, largest first (ties by key)."""
-    if lowest_rank:
-        return dict.fromkeys(sizes, 0)
-    return assign_owners(sizes.items(), ranks)
 
 
 # -- rank 0: replica values -------------------------------------------------------------------
@@ -367,185 +360,6 @@ def checked(metadata: Metadata) -> CheckedMetadata:
     return out
 
 
-# -- derived metadata --------------------------------------------------------------------
-
-class MeshIndex:
-    """Every rank's chunk of a DTensor, from its global shape, mesh and placements."""
-
-    def __init__(self):
-        self._signatures: dict[int, str] = {}
-        self._chunk_lists: dict[tuple, list[ChunkStorageMetadata]] = {}
-        self._positions: dict[int, dict[tuple, int]] = {}
-
-    def signature(self, mesh) -> str:
-        """The mesh's shape and ranks, for the structure digest."""
-        if id(mesh) not in self._signatures:
-            ranks = mesh.mesh.flatten().tolist()
-            self._signatures[id(mesh)] = f"{tuple(mesh.mesh.shape)}:{hashlib.sha256(str(ranks).encode()).hexdigest()[:16]}"
-        return self._signatures[id(mesh)]
-
-    def chunks(self, value: DTensor) -> list[ChunkStorageMetadata]:
-        """The distinct chunks of all the mesh's ranks, in row-major order of first holder;
-        one list per (shape, mesh, placements), shared by every tensor that has them."""
-        key = _layout_key(value)
-        if key not in self._chunk_lists:
-            seen = {}
-            for _, offsets, sizes in chunk_table(*key):  # replicas, and the empty chunk past a narrow dim, once
-                if (offsets, sizes) not in seen:
-                    seen[offsets, sizes] = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-            self._chunk_lists[key] = list(seen.values())
-        return self._chunk_lists[key]
-
-    @property
-    def chunk_list_count(self) -> int:
-        """How many distinct chunk lists (one per shape, mesh and placements) were built."""
-        return len(self._chunk_lists)
-
-    def position(self, value: DTensor, offsets) -> int:
-        """The position of the chunk at `offsets` in `chunks(value)`."""
-        chunks = self.chunks(value)
-        if id(chunks) not in self._positions:
-            self._positions[id(chunks)] = {tuple(c.offsets): i for i, c in enumerate(chunks)}
-        return self._positions[id(chunks)][tuple(offsets)]
-
-    def not_derivable(self, items: list[WriteItem], state_dict: dict) -> str | None:
-        """None when every sharded item is a plain DTensor whose chunk is the one torch's chunk
-        function gives for this rank's coordinate; else why not, naming the first key."""
-        for item in items:
-            if item.type != WriteItemType.SHARD:
-                continue
-            fqn = item.index.fqn
-            value = state_dict.get(fqn)
-            if type(value) is not DTensor:
-                return f"{fqn} is a {type(value).__name__}, not a DTensor"
-            chunk = item.tensor_data.chunk
-            expected = _local_chunk(*_layout_key(value), tuple(value.device_mesh.get_coordinate()))
-            if (tuple(chunk.offsets), tuple(chunk.sizes)) != expected:
-                return f"{fqn}'s chunk {tuple(chunk.offsets)}+{tuple(chunk.sizes)} is not torch's {expected}"
-        return None
-
-    def not_whole_world(self, items: list[WriteItem], state_dict: dict) -> str | None:
-        """Why rank 0 could not derive a DTensor on a mesh other than the whole default group
-        (e.g. a sub-mesh), as this rank sees it; None when every mesh is the whole world."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        outside = self.meshes_not_spanning(set(range(dist.get_world_size())), items, state_dict)
-        return None if outside is None else f"{outside} is on a mesh that is not the whole world"
-
-    @staticmethod
-    def meshes_not_spanning(ranks: set[int], items: list[WriteItem], state_dict: dict) -> str | None:
-        """The first key whose DTensor mesh holds other ranks than `ranks` (the save's)."""
-        checked_meshes = {}
-        for item in items:
-            value = state_dict.get(item.index.fqn)
-            if isinstance(value, DTensor):
-                mesh = value.device_mesh
-                if id(mesh) not in checked_meshes:
-                    mesh_ranks = mesh.mesh.flatten().tolist()
-                    checked_meshes[id(mesh)] = len(mesh_ranks) == len(ranks) and set(mesh_ranks) == ranks
-                if not checked_meshes[id(mesh)]:
-                    return item.index.fqn
-        return None
-
-    def metadata(self, items: list[WriteItem], state_dict: dict) -> Metadata:
-        """The global metadata from one rank's full local plan (every rank holds the same keys)."""
-        md: dict = {}
-        for item in items:
-            fqn = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                md[fqn] = BytesStorageMetadata()
-                continue
-            td = item.tensor_data
-            chunks = self.chunks(state_dict[fqn]) if item.type == WriteItemType.SHARD else [td.chunk]
-            md[fqn] = TensorStorageMetadata(properties=td.properties, size=td.size, chunks=chunks)
-        return Metadata(md)
-
-
-# -- ownership of DTensor chunks (every rank, locally) ------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where one DTensor's local chunk lives: all ownership needs to know about it."""
-
-    mesh_shape: tuple[int, ...]
-    coordinate: tuple[int, ...]
-    placements: tuple
-    global_shape: tuple[int, ...]
-
-    @classmethod
-    def of(cls, value) -> "Placement | None":
-        if not isinstance(value, DTensor) or value.device_mesh.get_coordinate() is None:
-            return None
-        return cls(tuple(value.device_mesh.shape), tuple(value.device_mesh.get_coordinate()),
-                   tuple(value.placements), tuple(value.shape))
-
-    def replica_slot(self) -> tuple[int, int] | None:
-        """(this rank's index among the holders of its chunk, number of holders), or None.
-        Index 0 holds all Replicate coordinates at 0: the lowest rank of a row-major mesh."""
-        index, count = 0, 1
-        for dim, placement in enumerate(self.placements):
-            if isinstance(placement, Replicate):
-                index, count = index * self.mesh_shape[dim] + self.coordinate[dim], count * self.mesh_shape[dim]
-        return (index, count) if count > 1 else None
-
-    def first_holder_of_empty_chunk(self, offsets, sizes) -> bool:
-        """Ranks past the end of a dimension smaller than the shard group can hold the same
-        empty chunk (same index; stock dedup keeps one). Among the coordinates that share
-        this rank's Replicate coordinates (the replica rule picks among those), keep it at the
-        first one, in row-major order, that holds it."""
-        table = chunk_table(self.global_shape, self.mesh_shape, self.placements)
-        first = next(c for c, o, s in table if (o, s) == (tuple(offsets), tuple(sizes)))
-        return first == tuple(0 if isinstance(p, Replicate) else c for c, p in zip(self.coordinate, self.placements))
-
-
-def owned_shards(items: list[WriteItem], placement_of: Callable[[str], Placement | None],
-                 lowest_rank: bool = False) -> list[WriteItem]:
-    """The DTensor chunks this rank writes: its unique shards, and the replicated ones it owns.
-
-    Replicas (Replicate mesh dims) are assigned by bytes, largest first, over the replica
-    slots, every holder computing the same assignment; with `lowest_rank` (stock's
-    dedup_save_to_lowest_rank) slot 0 keeps them all."""
-    placements = {i.index.fqn: placement_of(i.index.fqn) for i in items if i.type == WriteItemType.SHARD}
-    slots = {fqn: p.replica_slot() for fqn, p in placements.items() if p is not None}
-    slots = {fqn: slot for fqn, slot in slots.items() if slot is not None}
-    by_count: dict[int, list[tuple[str, int]]] = {}
-    for item in items:
-        if item.index.fqn in slots:
-            by_count.setdefault(slots[item.index.fqn][1], []).append((item.index.fqn, item_bytes(item)))
-    shard_owner = {} if lowest_rank else \
-        {fqn: owner for count, sizes in by_count.items() for fqn, owner in assign_owners(sizes, count).items()}
-    kept = []
-    for item in items:
-        fqn = item.index.fqn
-        if item.type != WriteItemType.SHARD:
-            continue
-        keep = fqn not in slots or shard_owner.get(fqn, 0) == slots[fqn][0]
-        if keep and placements.get(fqn) is not None and math.prod(item.tensor_data.chunk.sizes) == 0:
-            keep = placements[fqn].first_holder_of_empty_chunk(item.index.offset, item.tensor_data.chunk.sizes)
-        if keep:
-            kept.append(item)
-    return kept
-
-
-def item_bytes(item: WriteItem) -> int:
-    return item.tensor_storage_size() or 1  # bytes items: size unknown before serialising
-
-
-def assign_owners(sizes: Iterable[tuple[str, int]], slots: int) -> dict[str, int]:
-    """Greedy balance: largest item first (ties by key) to the least-loaded slot (ties by
-    slot number). Deterministic, so every holder computes the same assignment."""
-    ordered = sorted(sizes, key=lambda ks: (-ks[1], ks[0]))
-    heap = [(0, slot) for slot in range(min(slots, len(ordered)))]  # slots past the item count stay empty
-    owners = {}
-    for key, size in ordered:
-        load, slot = heapq.heappop(heap)
-        owners[key] = slot
-        heapq.heappush(heap, (load + size, slot))
-    return owners
-
-
 def structure_digest(items: list[WriteItem], state_dict: dict, mappings: dict | None = None,
                      meshes: "MeshIndex | None" = None) -> int:
     """A 63-bit digest of what the plan holds (keys, types, global sizes, dtypes, placements
@@ -561,130 +375,3 @@ def structure_digest(items: list[WriteItem], state_dict: dict, mappings: dict | 
                     f"{None if td is None else td.properties.dtype}|{placement}")
     digest = hashlib.sha256("\n".join(sorted(rows)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
-
-
-# -- every coordinate's chunk, from torch's chunk function ---------------------------------
-
-def clear_chunk_caches() -> None:
-    """Forget the chunk tables (the simulator times a first save, without them)."""
-    chunk_table.cache_clear()
-    _local_chunk.cache_clear()
-
-
-def _layout_key(value: DTensor) -> tuple:
-    return tuple(value.shape), tuple(value.device_mesh.shape), tuple(value.placements)
-
-
-@functools.lru_cache(maxsize=4096)
-def _local_chunk(global_shape, mesh_shape, placements, coordinate) -> tuple[tuple, tuple]:
-    """(offsets, sizes) of the chunk at `coordinate`: torch's own function, the one
-    `create_local_plan` used."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    sizes, offsets = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements)
-    return tuple(offsets), tuple(sizes)
-
-
-@functools.lru_cache(maxsize=256)
-def chunk_table(global_shape, mesh_shape, placements) -> tuple[tuple[tuple, tuple, tuple], ...]:
-    """(coordinate, offsets, sizes) for every mesh coordinate whose Replicate coordinates
-    are 0 (replicas hold the same chunk), in row-major order.
-
-    When each tensor dim is split by at most one mesh dim (FSDP, HSDP, FSDP x TP), a
-    chunk's offset and size along that dim are the 1-D split of that dim by that mesh dim,
-    so torch's function is asked once per (dim size, mesh dim size, coordinate), shared by
-    every tensor with that dim size, not once per rank and tensor shape (on torch 2.14.1 a
-    call costs ~70 us: 5 s per save at N = 2,816). Nested or strided sharding: every
-    coordinate is asked."""
-    varying = [range(1) if isinstance(p, Replicate) else range(n) for n, p in zip(mesh_shape, placements)]
-    split = [p.dim for p in placements if type(p) is Shard]
-    if not all(type(p) in (Shard, Replicate) for p in placements) or len(split) != len(set(split)):
-        return tuple((c, *_local_chunk(global_shape, mesh_shape, placements, c)) for c in itertools.product(*varying))
-    along = {}  # (mesh dim, coordinate) -> (offset, size) along the tensor dim it splits: a 1-D split
-    for m, p in enumerate(placements):
-        for c in range(mesh_shape[m]) if type(p) is Shard else ():
-            (offset,), (size,) = _local_chunk((global_shape[p.dim],), (mesh_shape[m],), (Shard(0),), (c,))
-            along[m, c] = offset, size
-    rows = []
-    for coordinate in itertools.product(*varying):
-        offsets, sizes = [0] * len(global_shape), list(global_shape)
-        for m, p in enumerate(placements):
-            if type(p) is Shard:
-                offsets[p.dim], sizes[p.dim] = along[m, coordinate[m]]
-        rows.append((coordinate, tuple(offsets), tuple(sizes)))
-    return tuple(rows)
-
-
-# -- linear validation -------------------------------------------------------------------
-
-MAX_GRID_CELLS_PER_CHUNK = 64  # beyond this the chunks do not form a grid: check pairs
-
-
-def validate_chunks(metadata: Metadata) -> list[str]:
-    """torch's three checks on every tensor (bounds, overlap, coverage); [] when valid.
-    A chunk list shared by several tensors of one size is checked once."""
-    problems, checked_lists = [], set()
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, BytesStorageMetadata) or len(md.size) == 0:
-            continue
-        if (id(md.chunks), tuple(md.size)) in checked_lists:
-            continue
-        checked_lists.add((id(md.chunks), tuple(md.size)))
-        problems += _validate_tensor(key, tuple(md.size), [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks])
-    return problems
-
-
-def _validate_tensor(key: str, size: tuple[int, ...], chunks: list[tuple[tuple, tuple]]) -> list[str]:
-    problems = []
-    for offsets, sizes in chunks:
-        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, size)):
-            problems.append(f"{key}: chunk {offsets}+{sizes} out of bounds of {size}")
-    volume = sum(math.prod(s) for _, s in chunks)
-    if volume != math.prod(size):
-        problems.append(f"{key}: chunks cover {volume} elements of {math.prod(size)}")
-    if not problems and _overlap(chunks):
-        problems.append(f"{key}: overlapping chunks")
-    return problems
-
-
-def _overlap(chunks: list[tuple[tuple, tuple]]) -> bool:
-    """Whether two chunks overlap as torch's box test says: two non-empty chunks that share an
-    element, found in time linear in the chunks when they form a grid (every FSDP/HSDP layout:
-    count coverage on the grid of their edges); or an empty chunk that lies strictly inside a
-    non-empty one (torch's test has no case for size 0; FSDP's empty chunks sit at a dim's end,
-    which never counts)."""
-    boxes = [(o, s) for o, s in chunks if all(s)]
-    empties = {(o, s) for o, s in chunks if not all(s)}  # FSDP's are all alike: checked once
-    if any(_overlap_pairwise([empty, box]) for empty in empties for box in boxes):
-        return True
-    if len(boxes) < 2:
-        return False
-    split = _single_split_dim(boxes)
-    if split is not None:  # FSDP/HSDP: chunks are slabs along one dimension; sort and compare neighbours
-        spans = sorted((o[split], o[split] + s[split]) for o, s in boxes)
-        return any(start < previous_end for (_, previous_end), (start, _) in zip(spans, spans[1:]))
-    edges = [sorted({o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(len(boxes[0][0]))]
-    cells = math.prod(len(e) - 1 for e in edges)
-    if cells > MAX_GRID_CELLS_PER_CHUNK * len(boxes):
-        return _overlap_pairwise(boxes)
-    grid = torch.zeros([len(e) - 1 for e in edges], dtype=torch.int32)
-    for offsets, sizes in boxes:
-        index = tuple(slice(bisect.bisect_left(e, o), bisect.bisect_left(e, o + s))
-                      for e, o, s in zip(edges, offsets, sizes))
-        grid[index] += 1
-    return bool((grid > 1).any())
-
-
-def _single_split_dim(boxes) -> int | None:
-    """The one dimension the chunks differ in, if all agree on every other (offset and size)."""
-    first_offsets, first_sizes = boxes[0]
-    differing = {d for o, s in boxes for d in range(len(o)) if o[d] != first_offsets[d] or s[d] != first_sizes[d]}
-    return differing.pop() if len(differing) == 1 else (0 if not differing else None)
-
-
-def _overlap_pairwise(boxes) -> bool:
-    for i, (o0, s0) in enumerate(boxes):
-        for o1, s1 in boxes[i + 1:]:
-            if all(a < b + t and b < a + u for a, u, b, t in zip(o0, s0, o1, s1)):
-                return True
-    return False
