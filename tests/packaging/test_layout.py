@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-LAB = ("ckptdoctor.repro", "ckptdoctor.simulate", "ckptdoctor.diagnose")
+LAB = ("ckptdoctor.repro", "ckptdoctor.simulate")  # the README's line: everything else is product
 TOOLS = ("matplotlib", "hypothesis", "pytest")
 
 SHOW_MODULES = """

@@ -6,6 +6,9 @@ So the model keeps MOVA's structure (FACTS.md, "Model shape"): two video DiT tow
 audio DiT tower, a dual-tower bridge of conditional cross-attention blocks, and a frozen
 text encoder and VAEs that FSDP ignores. Widths are tiny by default; layer counts go up to
 the real ones, because the tensor count, not the width, drives planning cost.
+
+(selftest/model.py is another, much smaller model: a few blocks the self-test trains on the
+cluster's own device. This one is what `check` plans and the lab's look-alike trainer trains.)
 """
 
 from __future__ import annotations

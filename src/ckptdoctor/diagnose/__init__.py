@@ -1,5 +1,6 @@
-"""Explaining failed checkpoints: from logs (``logs``), from frames (``callpath``), and from
-per-rank DCP events (``timeline``). Pure analysis: no torch import."""
+"""Explaining failed checkpoints: from logs (``logs``, read by ``scan``, judged in ``verdict``)
+and from frames (``callpath``). Pure analysis: no torch import. (Per-rank DCP event timelines
+are the lab's: repro/timeline.py.)"""
 
 from .logs import diagnose, format_report
 

@@ -16,7 +16,8 @@ Three probes, all read-only:
   passes to `dist_cp.save`) is wrapped too, to keep each rank's local plan: the simulator
   is tested against these real plans item by item.
   These are the lab's monkeypatches (the product's are `selftest/accelerate_cpu.py`'s, for
-  CPU-only hosts, and `fix/auto.py`'s, opt-in): pass-through wrappers, checked against the torch versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
+  CPU-only hosts, and `fix/auto.py`'s, opt-in): pass-through wrappers, checked against the torch
+  versions we pin (tests assert the calls are seen), undone by `uninstall()`. Where
   torch_npu is installed it is imported first: it replaces `gather_object` on import, and the
   wrapper must time the function the save will call.
 """
@@ -29,7 +30,7 @@ import os
 import time
 
 from ..errors import UnsupportedVersion
-from ..diagnose.timeline import CollectiveCall, StepEvent
+from .timeline import CollectiveCall, StepEvent
 from ..fix.watchdog import dcp_logger
 
 # "broadcast" here is torch.distributed.broadcast as callers outside DCP reach it (Accelerate's
@@ -122,7 +123,7 @@ class SaveProbe(logging.Handler):
     def _record_local_plans(self) -> None:
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        from ..check.rank0 import plan_signature
+        from ..check.save_phases import plan_signature
 
         original = self._originals[(DefaultSavePlanner, "create_local_plan")] = DefaultSavePlanner.create_local_plan
         probe = self
@@ -141,7 +142,7 @@ class SaveProbe(logging.Handler):
         """The read plan every rank executes, at FileSystemReader.read_data (stock's reader and ours)."""
         from torch.distributed.checkpoint import FileSystemReader
 
-        from ..check.load_ranks import read_plan_signature
+        from ..check.load_phases import read_plan_signature
 
         original = self._originals[(FileSystemReader, "read_data")] = FileSystemReader.read_data
         probe = self

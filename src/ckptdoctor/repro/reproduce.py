@@ -28,7 +28,7 @@ import shutil
 from pathlib import Path
 
 from ..diagnose import callpath
-from ..diagnose.timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
+from .timeline import CollectiveCall, SaveWaits, StepEvent, longest_wait, phase_at, save_timeline, save_waits
 from ..errors import CkptDoctorError
 from ..fix.compat import installed_versions
 from ..fix.index import METADATA_NAME
@@ -475,7 +475,8 @@ def format_report(report: dict) -> str:
     lines = []
     who = f"{'MOVA' if report['trainer'] == 'mova' else 'look-alike'} trainer"
     if report["fix"]:
-        lines.append(f"{'FIXED' if report['fixed'] else 'FIX FAILED'}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
+        verdict = 'FIXED' if report['fixed'] else 'FIX FAILED'
+        lines.append(f"{verdict}: {report['world_size']} ranks, {who}, mode {report['mode']}, "
                      f"torch {report['torch']}, accelerate {report['accelerate']}, ScalableCheckpointing"
                      f"{INTEGRATION_NAMES.get(report.get('integration'), '')}; the default "
                      f"group keeps the {report['deadline_ms']} ms deadline that made stock time out, saves run on a "
@@ -508,7 +509,8 @@ def format_report(report: dict) -> str:
                      f"-> {report['failed_phase']} ({report['waiting_call']}):")
         lines.append(f"    RuntimeError: {report['gloo_error']}")
         lines.append("  frames (outermost first): " + " -> ".join(report["frames"]))
-        lines.append(f"  same chain as the report (save_state ... scatter_object_list -> broadcast): {report['frames_match_report']}")
+        lines.append("  same chain as the report (save_state ... scatter_object_list -> broadcast): "
+                     f"{report['frames_match_report']}")
         if report["trainer"] == "mova":
             lines += ["  MOVA's own frames:"] + [f"    {loc}" for loc in report["frame_locations"]
                                                  if "/mova/" in loc or "accelerate_train" in loc]

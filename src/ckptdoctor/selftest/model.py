@@ -1,7 +1,11 @@
 """A MOVA-shaped model, small enough for a self-test: a video tower of DiT-like blocks, an
 audio tower of half the width and half the blocks, a bridge between them. Names and nesting
 follow MOVA's (`video_dit.blocks.N...`), so the checkpoint has the same kinds of keys: many
-2-D weights sharded by FSDP, 1-D norms and biases, and AdamW state for each."""
+2-D weights sharded by FSDP, 1-D norms and biases, and AdamW state for each.
+
+Not check/mova_model.py, which is MOVA's whole parameter structure (every tower, the frozen
+encoders FSDP ignores, LoRA), built to predict planning cost and trained by the lab: this one is
+a few blocks that train and round-trip in seconds on the user's cluster, on its own device."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank timelines of DCP saves, from what probes.py records (pure analysis, no torch).
+"""Per-rank timelines of DCP saves, from what probes.py records (the lab's; pure analysis, no torch).
 
 DCP's own events mark the steps of a save (`local_step`, `global_step`, `write_data`,
 `finish_checkpoint`); the plan exchange between them has no events of its own, so its

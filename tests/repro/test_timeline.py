@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptdoctor.diagnose.timeline import CollectiveCall, StepEvent, phase_at, save_timeline, save_waits
+from ckptdoctor.repro.timeline import CollectiveCall, StepEvent, phase_at, save_timeline, save_waits
 from ckptdoctor.repro.probes import SaveProbe
 
 SAVE = "optimizer_0"
