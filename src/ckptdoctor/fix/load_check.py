@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from .accelerate_layout import is_dcp_name
 from .agreement import OK
 from .index import (INDEX_NAME, METADATA_NAME, CorruptCheckpoint, NotIndexable, data_file_extents, read_index,
                     read_metadata_file, write_index)
@@ -44,7 +45,7 @@ def dcp_checkpoints(root: Path, depth: int = 2) -> list[Path]:
         if not entry.is_dir():
             continue
         if (entry / METADATA_NAME).exists() or (entry / INDEX_NAME).exists() or \
-                entry.name.startswith(("pytorch_model_fsdp_", "optimizer_")):
+                is_dcp_name(entry.name):
             found.append(entry)
         elif depth > 1:
             found += dcp_checkpoints(entry, depth - 1)

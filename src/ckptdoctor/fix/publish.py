@@ -45,6 +45,7 @@ import shutil
 import time
 from pathlib import Path
 
+from .accelerate_layout import MODEL_PREFIX, RANK0_RNG_STATES, dcp_directories, state_directory
 from .agreement import OK, CheckpointAborted
 from .index import METADATA_NAME
 from .load_check import prepare_for_load
@@ -173,12 +174,12 @@ def legacy_complete(path: Path) -> bool:
     path = Path(path)
     if INCOMPLETE in path.name or (path / COMPLETE_MARKER).exists():
         return False
-    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
+    state = state_directory(path)
     if _being_written(path) or _being_written(state):
         return False
-    models, optimizers = list(state.glob("pytorch_model_fsdp_*")), list(state.glob("optimizer_*"))
-    return bool(models and optimizers) and all((d / METADATA_NAME).is_file() for d in models + optimizers) and \
-        (state / "random_states_0.pkl").is_file()
+    checkpoints = dcp_directories(state)
+    has_both = {d.name.startswith(MODEL_PREFIX) for d in checkpoints} == {True, False}
+    return has_both and all((d / METADATA_NAME).is_file() for d in checkpoints) and (state / RANK0_RNG_STATES).is_file()
 
 
 def why_incomplete(path: Path) -> str:
@@ -197,9 +198,9 @@ def why_incomplete(path: Path) -> str:
                 return f"{marked / COMPLETE_MARKER} is unreadable"
             missing = [marked / c / METADATA_NAME for c in listed if not (marked / c / METADATA_NAME).is_file()]
             return f"{missing[0]} is missing" if missing else "complete"
-    state = path if any(path.glob("pytorch_model_fsdp_*")) else path / "accelerator"
-    needed = [d / METADATA_NAME for d in sorted(state.glob("pytorch_model_fsdp_*")) + sorted(state.glob("optimizer_*"))]
-    missing = [f for f in needed + [state / "random_states_0.pkl"] if not f.is_file()]
+    state = state_directory(path)
+    needed = [d / METADATA_NAME for d in dcp_directories(state)]
+    missing = [f for f in needed + [state / RANK0_RNG_STATES] if not f.is_file()]
     if not needed:
         return f"no {COMPLETE_MARKER} in {path}, and no model or optimizer checkpoint in {state}"
     return f"{missing[0]} is missing" if missing else "complete"
