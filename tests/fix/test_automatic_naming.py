@@ -1,101 +1,21 @@
-"""`install` where Accelerate's own save_state works: one process without a process group, and
-Accelerate's automatic checkpoint naming with `total_limit` (fix/automatic_naming.py).
+"""Accelerate's automatic checkpoint naming with `total_limit`, through `install`
+(fix/automatic_naming.py): the same names and counter as stock, the limit applied only after a
+publish, `load_state()` taking the newest complete checkpoint.
 
 In-process, as a trainer is debugged and as Accelerate's own tests run: no launcher, no process
-group. Each test compares against what stock Accelerate does in the same situation."""
-
-import json
+group (tests/support/one_process.py). Each test compares against what stock Accelerate does in
+the same situation; the same on two ranks: tests/fix/test_install.py."""
 
 import pytest
 import torch
 
 accelerate = pytest.importorskip("accelerate")
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
-from accelerate.utils import ProjectConfiguration  # noqa: E402
-
-import ckptdoctor  # noqa: E402
 from ckptdoctor.errors import CkptDoctorError  # noqa: E402
 from ckptdoctor.fix.agreement import CheckpointAborted  # noqa: E402
 from ckptdoctor.fix.publish import COMPLETE_MARKER, INCOMPLETE  # noqa: E402
 
-
-class Breakable:
-    """A registered object whose state_dict fails on demand: Accelerate saves it after the model
-    and optimizer files, so a failure there leaves a half-written checkpoint behind stock."""
-
-    def __init__(self):
-        self.broken, self.value = False, 0
-
-    def state_dict(self):
-        if self.broken:
-            raise RuntimeError("disk quota exceeded (injected)")
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
-
-
-@pytest.fixture
-def make(tmp_path):
-    def make(fix: bool, **project):
-        AcceleratorState._reset_state(True)
-        assert not torch.distributed.is_initialized()  # the point: no process group at all
-        config = ProjectConfiguration(project_dir=str(tmp_path / ("ours" if fix else "stock")), **project)
-        accelerator = Accelerator(cpu=True, project_config=config)
-        torch.manual_seed(0)
-        model = accelerator.prepare(torch.nn.Linear(4, 3))
-        optimizer = accelerator.prepare(torch.optim.Adam(model.parameters(), lr=0.1))
-        extra = Breakable()
-        accelerator.register_for_checkpointing(extra)
-        if fix:
-            ckptdoctor.install(accelerator)
-        return accelerator, model, optimizer, extra
-
-    yield make
-    AcceleratorState._reset_state(True)
-
-
-def step(model, optimizer, value: float) -> None:
-    model(torch.full((2, 4), value)).sum().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-
-
-def weights(model) -> list:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def names(directory) -> list[str]:
-    return sorted(p.name for p in directory.iterdir())
-
-
-def test_one_process_without_a_process_group_saves_publishes_and_loads_bit_for_bit(make, tmp_path):
-    accelerator, model, optimizer, extra = make(fix=True)
-    step(model, optimizer, 1.0)
-    extra.value = 7
-    saved = weights(model)
-    out = accelerator.save_state(str(tmp_path / "explicit"))
-    assert out == str(tmp_path / "explicit")
-    marker = json.loads((tmp_path / "explicit" / COMPLETE_MARKER).read_text())
-    assert marker["dcp_checkpoints"] == []  # no FSDP here: Accelerate's own files, published whole
-    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"} <= \
-        set(names(tmp_path / "explicit"))
-    step(model, optimizer, 2.0)
-    extra.value = 0
-    accelerator.load_state(str(tmp_path / "explicit"))
-    assert all(torch.equal(a, b) for a, b in zip(weights(model), saved)) and extra.value == 7
-
-
-def test_a_failed_save_on_one_process_is_one_error_and_publishes_nothing(make, tmp_path):
-    accelerator, model, optimizer, extra = make(fix=True)
-    extra.broken = True
-    with pytest.raises(CheckpointAborted, match=r"rank\(s\) 0: RuntimeError: disk quota exceeded \(injected\)"):
-        accelerator.save_state(str(tmp_path / "failed"))
-    assert not (tmp_path / "failed").exists()
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("failed")] == \
-        [p.name for p in tmp_path.iterdir() if p.name.startswith(f"failed{INCOMPLETE}")]
+from support.one_process import names, one_process_accelerator, step, weights  # noqa: E402,F401 (the fixture `make`)
 
 
 def test_automatic_names_and_counter_are_stocks(make, tmp_path):
@@ -172,27 +92,3 @@ def test_without_automatic_naming_a_directory_is_needed(make):
         accelerator.load_state()
 
 
-def test_a_pickled_copy_of_an_installed_accelerator_saves_as_stock_the_original_through_the_fix(make, tmp_path):
-    import pickle
-
-    accelerator, *_ = make(fix=True)  # (Accelerate's own __deepcopy__ returns the Accelerator itself)
-    twin = pickle.loads(pickle.dumps(accelerator))
-    twin.save_state(str(tmp_path / "copy"))
-    assert not (tmp_path / "copy" / COMPLETE_MARKER).exists() and (tmp_path / "copy" / "model.safetensors").is_file()
-    accelerator.save_state(str(tmp_path / "original"))
-    assert (tmp_path / "original" / COMPLETE_MARKER).is_file()
-
-
-def test_a_bad_argument_fails_as_stocks_error_class_and_as_checkpoint_aborted(make, tmp_path):
-    """Accelerate's own multi-process scenario expects `pytest.raises(TypeError)` from a bad
-    map_location; the fix's one error on every rank must still be one."""
-    import pickle
-
-    accelerator, *_ = make(fix=True)
-    accelerator.save_state(str(tmp_path / "saved"))
-    with pytest.raises(TypeError, match="Unsupported optimizer map location passed") as caught:
-        accelerator.load_state(str(tmp_path / "saved"), map_location="invalid")
-    assert isinstance(caught.value, CheckpointAborted) and type(caught.value).__name__ == "CheckpointAborted"
-    assert str(caught.value).startswith("checkpoint aborted at 'load_state': rank(s) 0: TypeError: Unsupported")
-    again = pickle.loads(pickle.dumps(caught.value))
-    assert isinstance(again, TypeError) and isinstance(again, CheckpointAborted) and str(again) == str(caught.value)

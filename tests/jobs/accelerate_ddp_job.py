@@ -1,7 +1,7 @@
 """One rank of a real Accelerate job on CPU processes (MULTI_CPU: DDP over gloo), started by
 tests/fix/test_install.py with ACCELERATE_USE_CPU=true, as `accelerate launch --cpu` starts one.
 
-    python accelerate_ddp_job.py OUT stock|fix [kill] [fsdp2]
+    python accelerate_ddp_job.py OUT stock|fix [kill] [fsdp1|fsdp2] [full] [offload]
 
 Automatic checkpoint naming with total_limit=2: three saves with a training step between each,
 a load back of the newest (load_state() with no directory), then (fix only) a fourth save that
@@ -10,7 +10,11 @@ Each rank writes OUT/rank<N>.json. With `kill`: two saves, then rank 1 SIGKILLs 
 start of the third (a save-state pre-hook, after stock has deleted the oldest checkpoint to make
 room, before rank 1 wrote anything); the test reads what is left on disk. With `fsdp2`: the model
 is sharded by Accelerate's FSDP2 path (SHARDED_STATE_DICT, so every save and load goes through DCP),
-made to run on CPU processes the way `ckptdoctor selftest` does (selftest/accelerate_cpu.py).
+made to run on CPU processes the way `ckptdoctor selftest` does (selftest/accelerate_cpu.py). With
+`fsdp1`: FSDP1 the same way (its state dicts hold ShardedTensors), the model wrapped here on the CPU
+device. `full`: FULL_STATE_DICT instead (on CPU processes, torch 2.8.0, rank 0 segfaults in
+libtorch_cpu during FSDP1's full optimizer state dict, in stock Accelerate as with the fix: no test
+uses it). `offload`: FSDP's CPU offload (Accelerate's `cpu_offload=True`, as MOVA's config sets it).
 """
 
 import hashlib
@@ -25,7 +29,10 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType, ProjectConfiguration
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-kill, fsdp2 = "kill" in sys.argv[3:], "fsdp2" in sys.argv[3:]
+kill = "kill" in sys.argv[3:]
+fsdp = next((int(a[4:]) for a in sys.argv[3:] if a in ("fsdp1", "fsdp2")), None)  # FSDP's version, or None: DDP
+state_dict_type = "FULL_STATE_DICT" if "full" in sys.argv[3:] else "SHARDED_STATE_DICT"
+offload = "offload" in sys.argv[3:]  # FSDP's parameters and optimizer state held on the host between uses
 rank = int(os.environ["RANK"])
 
 
@@ -55,22 +62,28 @@ def step(model, optimizer, accelerator, value):
 
 report = {"rank": rank}
 config = ProjectConfiguration(project_dir=str(out / "project"), automatic_checkpoint_naming=True, total_limit=2)
-if fsdp2:
+if fsdp:
     import torch.distributed as dist
     from accelerate import FullyShardedDataParallelPlugin
 
-    from ckptdoctor.selftest.accelerate_cpu import enable_fsdp_on_cpu
+    from ckptdoctor.selftest.accelerate_cpu import enable_fsdp_on_cpu, unpinned_cpu_offload
 
     dist.init_process_group("gloo")
     enable_fsdp_on_cpu()
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    if offload:
+        unpinned_cpu_offload()
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=fsdp, state_dict_type=state_dict_type, cpu_offload=offload)
     accelerator = Accelerator(cpu=True, project_config=config, fsdp_plugin=plugin)
 else:
     accelerator = Accelerator(project_config=config)
 report["distributed_type"] = str(accelerator.distributed_type)
-assert accelerator.distributed_type == (DistributedType.FSDP if fsdp2 else DistributedType.MULTI_CPU)
+assert accelerator.distributed_type == (DistributedType.FSDP if fsdp else DistributedType.MULTI_CPU)
 torch.manual_seed(0)
 model = torch.nn.Linear(6, 3)
+if fsdp == 1:  # wrapped here: Accelerate's own FSDP1 wrap names the device "cpu:0", which FSDP1 refuses on CPU
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
 model, optimizer = accelerator.prepare(model, optimizer)
 extra = FailsOnRank1()

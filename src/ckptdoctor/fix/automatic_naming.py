@@ -62,11 +62,11 @@ def next_directory(accelerator) -> Path:
 def explicit_directory(accelerator):
     """For one call: Accelerate's save_state writes into the directory it is given."""
     config = accelerator.project_configuration
-    config.automatic_checkpoint_naming = False
+    previous, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
     try:
         yield
     finally:
-        config.automatic_checkpoint_naming = True
+        config.automatic_checkpoint_naming = previous
 
 
 def remove_beyond_limit(root: Path, limit: int) -> list[Path]:
