@@ -13,7 +13,6 @@ must name the timeout and rank 7 each time.
 import argparse
 import json
 import random
-import resource
 import subprocess
 import sys
 import tempfile

@@ -4,7 +4,8 @@
 
 PR #68 (OpenMOSS/MOVA, open) saves per-rank optimizer and scheduler files under FSDP. Its diff is
 not part of this repository: pass it (e.g. `git diff <merge-base> refs/pull/68/head` in a clone of
-MOVA). The script copies the MOVA extract, applies the diff (checked by its effect on the files), and runs the same scaled-deadline
+MOVA). The script copies the MOVA extract, applies the diff (checked by its effect on the files), and
+runs the same scaled-deadline
 reproduction as `ckptdoctor repro --trainer mova` on that code: calibration on the PR's own code,
 then up to three attempts. Prints the verdict and where it failed.
 """

@@ -4,7 +4,8 @@ Each asserts the verdict, the exit status and what landed where the relative pat
 
 `diagnose` and `simulate` run on the reporter's stack only (the path handling is the same on
 both); `check` runs once per stack, for that stack's torch: 2.8.0 from the checkout root, named,
-the newest stack's (2.15.0) from elsewhere with no --torch (the torch installed with the interpreter, as in an image). (`check` starts the measured stack's own environment, and scripts/test sets up
+the newest stack's (2.15.0) from elsewhere with no --torch (the torch installed with the interpreter,
+as in an image). (`check` starts the measured stack's own environment, and scripts/test sets up
 the newest stack only after the reporter's stack's tests ran.)"""
 
 import json

@@ -250,8 +250,8 @@ def test_a_directory_with_no_log_files_is_one_line_of_bad_input(tmp_path):
 @pytest.mark.parametrize("at", [BLOCK - 40, BLOCK - 5, BLOCK + 3])
 def test_a_finding_across_the_block_boundary_is_found_whole(tmp_path, at):
     """The timeout line placed so that it starts just before, or straddles, the 1 MiB block edge."""
-    error = f"[rank5]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out " \
-            f"waiting 1800000ms for recv operation to complete"
+    error = "[rank5]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out " \
+            "waiting 1800000ms for recv operation to complete"
     head = "\n".join(traceback_lines(5, SAVE_OPTIM_28, "")[:-1]) + "\n"
     filler = "x" * (at - len(head) - 1) + "\n"
     path = tmp_path / "log"

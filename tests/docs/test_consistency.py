@@ -5,7 +5,6 @@ code reads are the knobs the guide lists. No torch: it runs on one stack."""
 
 import re
 from collections import Counter
-from pathlib import Path
 
 import pytest
 

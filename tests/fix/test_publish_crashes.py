@@ -134,7 +134,8 @@ def test_in_place_the_marker_is_written_only_after_every_metadata_and_the_writin
         save(root, 2, 2.0, "in_place")
     assert crash.calls == ["_write_durably", "fsync_directory",  # WRITING, before any rank writes
                            "finish", "replace file", "finish", "replace file",  # DCP's two .metadata files
-                           "_write_durably", "fsync_directory", "_remove_durably", "fsync_directory"], crash.calls  # marker, WRITING
+                           "_write_durably", "fsync_directory",  # the marker
+                           "_remove_durably", "fsync_directory"], crash.calls  # WRITING removed
     step = root / "step-2"
     assert json.loads((step / COMPLETE_MARKER).read_text())["mode"] == "in_place"
     assert not (step / WRITING_MARKER).exists() and (step / "accelerator" / "optimizer_0" / ".metadata").is_file()

@@ -1,7 +1,6 @@
 """The save watchdog on a real 4-rank gloo save whose coordinator is held in planning."""
 
 import re
-from pathlib import Path
 
 import pytest
 

@@ -202,11 +202,12 @@ def straight(mova_copies, tmp_path_factory):
 def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resume_repeats_the_losses(
         mova_copies, straight, tmp_path, monkeypatch):
     """Resumed from the straight run's step-4, rank 3 freezes (SIGSTOP: a node that vanished, its
-    connections open) in step-8's optimizer save. A rank that exits would not do: torchrun tears every rank down itself within a second of
-    an exit, fix or not. Frozen, nobody but the fix notices: without it the others wait in the plan
-    exchange for the group's deadline (1800 s here, past the job's limit). With it, rank 0's
-    heartbeat watch names rank 3 after the lost-rank window and the others exit 75 (torchrun stops
-    the rest once the first has); nothing is published, and a restart resumes step-4."""
+    connections open) in step-8's optimizer save. A rank that exits would not do: torchrun tears
+    every rank down itself within a second of an exit, fix or not. Frozen, nobody but the fix
+    notices: without it the others wait in the plan exchange for the group's deadline (1800 s here,
+    past the job's limit). With it, rank 0's heartbeat watch names rank 3 after the lost-rank window
+    and the others exit 75 (torchrun stops the rest once the first has); nothing is published, and a
+    restart resumes step-4."""
     from ckptdoctor.fix.heartbeat import EXIT_LOST_RANK
 
     monkeypatch.setenv("CKPTDOCTOR_LOST_RANK_S", "6")  # every rank reads it: the knob, as a user sets it

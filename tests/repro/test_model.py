@@ -45,15 +45,18 @@ def test_lora_wraps_exactly_the_target_projections_with_rank_16():
     # zero-initialised B: the wrapped model computes what the base computes
     base, _ = build_model(MovaShape(), "sft")
     inputs = (torch.randn(2, 6, 3), torch.randn(2, 5, 2), torch.randint(0, 64, (2, 4)), torch.tensor([0.7, 0.2]))
-    torch.manual_seed(5); a = base(*inputs)
-    torch.manual_seed(5); b = model(*inputs)
+    torch.manual_seed(5)
+    a = base(*inputs)
+    torch.manual_seed(5)
+    b = model(*inputs)
     assert torch.equal(a, b)
 
 
 def test_forward_is_deterministic_and_every_tower_gets_gradients():
     model, _ = build_model(MovaShape(), "sft")
     inputs = (torch.randn(2, 6, 3), torch.randn(2, 5, 2), torch.randint(0, 64, (2, 4)), torch.tensor([0.9, 0.1]))
-    torch.manual_seed(1); loss = model(*inputs)
+    torch.manual_seed(1)
+    loss = model(*inputs)
     loss.backward()
     for tower in model.trainable_towers():
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tower.parameters())

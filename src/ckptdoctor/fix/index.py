@@ -43,9 +43,13 @@ import struct
 import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import CkptDoctorError
 from .metadata_format import newer_format_problem
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = ".ckptdoctor-index"
 METADATA_NAME = ".metadata"

@@ -72,4 +72,4 @@ def describe_format(metadata) -> str:
         return "no tensor recorded: any torch reads it"
     if any(getattr(p, "strides", None) is not None for p in properties):
         return f"written by torch {first} or newer (tensor strides recorded): only torch {first} or newer reads it"
-    return f"written by torch 2.14 or older (no tensor strides): torch 2.8 and newer read it"
+    return "written by torch 2.14 or older (no tensor strides): torch 2.8 and newer read it"

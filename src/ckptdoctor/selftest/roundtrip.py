@@ -153,6 +153,7 @@ def stock_plan_exchange(trained: TrainedModel, path: Path, deadline_s: float) ->
         planner = TimedPlanner()
         dcp.save({"model": model_state, "optimizer": optimizer_state}, storage_writer=FileSystemWriter(path),
                  planner=planner, process_group=group)
-        values = {"plan_exchange_s": round(planner.exchange_s, 3), "rank0_global_plan_s": round(getattr(planner, "global_s", 0.0), 3)}
+        values = {"plan_exchange_s": round(planner.exchange_s, 3),
+                  "rank0_global_plan_s": round(getattr(planner, "global_s", 0.0), 3)}
         return True, f"stock plan exchange {planner.exchange_s:.2f} s (deadline {deadline_s:.0f} s)", values
     return timed("stock plan exchange", work)

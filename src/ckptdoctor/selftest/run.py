@@ -141,8 +141,9 @@ def _report(job, opts, root: Path, checks: list[Check], trained) -> dict:
     torch_v, accelerate_v = installed_versions()
     import ckptdoctor
 
-    return {"ckptdoctor": str(Path(ckptdoctor.__file__).parent), "world_size": job.world_size, "backend": job.backend, "device": job.device, "torch": torch_v,
-            "accelerate": accelerate_v, "dir": str(root), "job_ranks": opts.job_ranks or job.world_size,
+    return {"ckptdoctor": str(Path(ckptdoctor.__file__).parent), "world_size": job.world_size, "backend": job.backend,
+            "device": job.device, "torch": torch_v, "accelerate": accelerate_v, "dir": str(root),
+            "job_ranks": opts.job_ranks or job.world_size,
             "parameters": trained.parameters if trained else None,
             "checks": [dataclasses.asdict(c) | {"verdict": c.verdict} for c in checks],
             "passed": all(c.ok for c in checks)}

@@ -38,7 +38,6 @@ import runpy
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
 STANDINS = Path(__file__).resolve().parent / "standins"
