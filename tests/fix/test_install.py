@@ -6,6 +6,7 @@ CPU offload), two ranks, Accelerate's automatic checkpoint naming with total_lim
 0 segfaults in FSDP1's full optimizer state dict, in stock Accelerate's own save as with the fix."""
 
 import json
+import logging
 import pickle
 
 import pytest
@@ -67,6 +68,23 @@ def test_a_bad_argument_fails_as_stocks_error_class_and_as_checkpoint_aborted(ma
     assert str(caught.value).startswith("checkpoint aborted at 'load_state': rank(s) 0: TypeError: Unsupported")
     again = pickle.loads(pickle.dumps(caught.value))
     assert isinstance(again, TypeError) and isinstance(again, CheckpointAborted) and str(again) == str(caught.value)
+
+
+@pytest.mark.parametrize("engine", ["DEEPSPEED", "MEGATRON_LM", "XLA"])
+def test_a_mode_that_saves_through_its_own_engine_stays_stock_with_one_info_line(engine, make, tmp_path, caplog,
+                                                                                  monkeypatch):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    import ckptdoctor
+
+    accelerator, *_ = make(fix=False)
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType[engine]))
+    with caplog.at_level(logging.INFO, logger="ckptdoctor"):
+        assert ckptdoctor.install(accelerator) is None and ckptdoctor.install(accelerator) is None
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("ckptdoctor")]
+    assert len(lines) == 1 and lines[0].startswith("ckptdoctor.install: ") and "stay stock" in lines[0], lines
+    assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)  # Accelerate's own
 
 
 # -- two ranks under accelerate's launcher ------------------------------------------------------------

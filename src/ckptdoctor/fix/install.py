@@ -26,6 +26,10 @@ What it does not do (the full patch, `patches/mova-feat-npu.patch`, does): publi
 directory at once (trainer_state.pt and LoRA weights are written beside the Accelerate state,
 unpublished), save LoRA adapters without a full gather.
 
+Where Accelerate saves through another engine than DCP on a process group (DeepSpeed, Megatron-LM,
+XLA: `ENGINES`), the fix has nothing to route and is not tested there: `install` changes nothing,
+returns None, and rank 0 logs one INFO line saying so; stock save_state runs.
+
 Only this instance is changed (attributes on it; Accelerate's class is untouched). Calling
 `install` again returns the same ScalableCheckpointing; calling it on an Accelerator that a
 `ScalableCheckpointing(...)` of the full patch already serves, or making that one after `install`,
@@ -39,14 +43,28 @@ import os
 
 log = logging.getLogger(__name__)
 
+ENGINES = {  # Accelerate's distributed types whose save_state goes through their own engine, not DCP
+    "DEEPSPEED": "DeepSpeed saves through its own engine (model.save_checkpoint)",
+    "MEGATRON_LM": "Megatron-LM saves through its own engine",
+    "XLA": "XLA saves through torch_xla",
+}
+NOT_TAKEN = "_ckptdoctor_not_taken"  # set on an Accelerator install left stock (its INFO line said so once)
+
 
 def install(accelerator, **settings):
     """Every rank, after `accelerator.prepare(...)`: route this Accelerator's save_state and
     load_state through a new ScalableCheckpointing (`settings`: its keywords, e.g. timeout_s;
-    unset ones come from CKPTDOCTOR_* variables). Returns it."""
+    unset ones come from CKPTDOCTOR_* variables). Returns it (None where `ENGINES` say no)."""
     from . import automatic_naming
     from .checkpointing import OWNER, ScalableCheckpointing
 
+    engine = ENGINES.get(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)))
+    if engine is not None:
+        if accelerator.is_main_process and not getattr(accelerator, NOT_TAKEN, False):
+            log.info("ckptdoctor.install: %s, not DCP: this Accelerator's save_state and load_state stay stock "
+                     "(the fix is not applied)", engine)
+        setattr(accelerator, NOT_TAKEN, True)
+        return None
     existing = getattr(accelerator, OWNER, None)
     if existing is not None and existing.integration == "install":
         return existing  # a second install; a ScalableCheckpointing of another kind is refused just below
