@@ -46,9 +46,9 @@ python3.11 -m venv "$venv"
 # The lock file pins every package; a machine-wide pip constraint (here: torch<=2.14.1, the
 # releases on local disk) must not decide what the project installs.
 export PIP_CONSTRAINT=/dev/null
-# --no-compile: pip would byte-compile all ~11,500 .py files of the stack, one at a time (47 s here);
-# Python compiles the modules a run imports, once, on first import, and keeps them (the venv is ours).
-"$venv/bin/pip" install --quiet --disable-pip-version-check --no-compile -r "$lock" 2> >(grep -v "is ignored: it is neither" >&2)
+# Not --no-compile: with PYTHONDONTWRITEBYTECODE=1 (set on these machines) no run would keep its
+# byte code, and every rank of every job would compile torch, diffusers and transformers anew.
+"$venv/bin/pip" install --quiet --disable-pip-version-check -r "$lock" 2> >(grep -v "is ignored: it is neither" >&2)
 "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps -e "$root" 2> >(grep -v "is ignored: it is neither" >&2)
 # Judge the install by its effect, not pip's exit status: the pinned torch and Accelerate, and
 # ckptdoctor from this checkout, must be what the environment imports.

@@ -5,6 +5,7 @@ CPU offload), two ranks, Accelerate's automatic checkpoint naming with total_lim
 (tests/jobs/accelerate_ddp_job.py). FULL_STATE_DICT is not here: on CPU processes (torch 2.8.0) rank
 0 segfaults in FSDP1's full optimizer state dict, in stock Accelerate's own save as with the fix."""
 
+import hashlib
 import json
 import logging
 import pickle
@@ -87,36 +88,46 @@ def test_a_mode_that_saves_through_its_own_engine_stays_stock_with_one_info_line
     assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)  # Accelerate's own
 
 
-# -- two ranks under accelerate's launcher ------------------------------------------------------------
+# -- several ranks under accelerate's launcher --------------------------------------------------------
 
-def ddp_job(tmp_path, mode, *extra):
+def ddp_job(tmp_path, mode, *extra, world=2):
     from ckptdoctor.repro.launcher import launch
 
     out = tmp_path / "-".join((mode, *extra))
     out.mkdir()
-    result = launch([str(JOBS / "accelerate_ddp_job.py"), str(out), mode, *extra], 2, out / "job.log", timeout_s=300,
-                    grace_s=10, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
-                                     "CKPTDOCTOR_GROUP_TIMEOUT_S": "120"})
-    return result, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2) if (out / f"rank{r}.json").exists()], out
+    result = launch([str(JOBS / "accelerate_ddp_job.py"), str(out), mode, *extra], world, out / "job.log",
+                    timeout_s=300, grace_s=10, env={"ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1",
+                                                    "CKPTDOCTOR_GROUP_TIMEOUT_S": "120"})
+    reports = [out / f"rank{r}.json" for r in range(world)]
+    return result, [json.loads(path.read_text()) for path in reports if path.exists()], out
 
 
-@pytest.fixture(scope="module", params=["ddp", "fsdp1", "fsdp2", "fsdp2-offload"])
+NOTHING = hashlib.sha256(b"").hexdigest()  # the digest of a rank that holds no element (an empty shard)
+
+
+# two ranks, and FSDP2 on four (its 3-row weight leaves one rank an empty shard)
+@pytest.fixture(scope="module", params=["ddp", "fsdp1", "fsdp2", "fsdp2-offload", "fsdp2-4ranks"])
 def runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
-    extra = () if request.param == "ddp" else tuple(request.param.split("-"))
-    return request.param, {mode: ddp_job(tmp, mode, *extra) for mode in ("stock", "fix")}
+    layout = request.param.removesuffix("-4ranks")
+    extra = () if layout == "ddp" else tuple(layout.split("-"))
+    world = 4 if layout != request.param else 2
+    return request.param, {mode: ddp_job(tmp, mode, *extra, world=world) for mode in ("stock", "fix")}
 
 
 @pytest.mark.slow
-def test_two_ranks_save_and_resume_the_newest_as_stock_does(runs):
+def test_several_ranks_save_and_resume_the_newest_as_stock_does(runs):
     layout, runs = runs
+    world = 4 if layout.endswith("-4ranks") else 2
     for mode in ("stock", "fix"):
         result, reports, out = runs[mode]
-        assert result.returncodes == [0, 0], (out / "job.log").read_text()[-3000:]
+        assert result.returncodes == [0] * world and len(reports) == world, (out / "job.log").read_text()[-3000:]
         for r in reports:
             assert r["distributed_type"] == ("DistributedType.MULTI_CPU" if layout == "ddp" else "DistributedType.FSDP")
-            assert r["loaded"] == r["saved"] != r["moved"]  # the newest checkpoint, bit for bit
-    assert [r["iteration"] for r in runs["fix"][1]] == [r["iteration"] for r in runs["stock"][1]] == [3, 3]
+            assert r["loaded"] == r["saved"]  # the newest checkpoint, bit for bit
+            assert r["saved"] != r["moved"] or r["saved"] == NOTHING  # a step moved what the rank holds
+        assert sum(r["saved"] != NOTHING for r in reports) >= 2
+    assert [r["iteration"] for r in runs["fix"][1]] == [r["iteration"] for r in runs["stock"][1]] == [3] * world
     assert runs["stock"][1][0]["checkpoints"] == ["checkpoint_1", "checkpoint_2"]
     if layout != "ddp":  # every save went through DCP, with the fix's writer (its index beside .metadata)
         newest = runs["fix"][2] / "project" / "checkpoints" / "checkpoint_2"
@@ -125,7 +136,7 @@ def test_two_ranks_save_and_resume_the_newest_as_stock_does(runs):
 
 
 @pytest.mark.slow
-def test_a_save_failing_on_one_rank_is_one_error_on_both_and_keeps_k_complete_checkpoints(runs):
+def test_a_save_failing_on_one_rank_is_one_error_on_every_rank_and_keeps_k_complete_checkpoints(runs):
     result, reports, out = runs[1]["fix"]
     errors = {r["error"] for r in reports}
     assert len(errors) == 1 and all(r["error_type"] == "CheckpointAborted" and r["is_oserror"] for r in reports)
