@@ -58,9 +58,10 @@ def install(accelerator, **settings):
     from . import automatic_naming
     from .checkpointing import OWNER, ScalableCheckpointing
 
-    engine = ENGINES.get(str(getattr(accelerator.distributed_type, "value", accelerator.distributed_type)))
+    kind = getattr(accelerator, "distributed_type", None)  # absent on Accelerator-like stand-ins: not an engine
+    engine = ENGINES.get(str(getattr(kind, "value", kind)))
     if engine is not None:
-        if accelerator.is_main_process and not getattr(accelerator, NOT_TAKEN, False):
+        if getattr(accelerator, "is_main_process", True) and not getattr(accelerator, NOT_TAKEN, False):
             log.info("ckptdoctor.install: %s, not DCP: this Accelerator's save_state and load_state stay stock "
                      "(the fix is not applied)", engine)
         setattr(accelerator, NOT_TAKEN, True)
