@@ -18,7 +18,7 @@ import sys
 import time
 
 from ckptdoctor.check.jobs import HERE, run_job
-from ckptdoctor.check.save_model import ScalingOptions, _jobs, build_records
+from ckptdoctor.check.save_model import ScalingOptions, measurement_jobs, build_records
 from ckptdoctor.check.layout import Layout
 
 BASES = {"check (N<=16)": 16, "documents (N<=32)": 32}
@@ -37,7 +37,7 @@ def main() -> int:
         return ScalingOptions(ranks=[n], layouts=[fsdp], stacks=[HERE], saves=saves, max_measured=max_measured,
                               max_validated=n, parallel=1)
 
-    jobs = {key: job for basis in (*BASES.values(), n) for key, _, job in _jobs(options(basis))}
+    jobs = {key: job for basis in (*BASES.values(), n) for key, _, job in measurement_jobs(options(basis))}
     for save in saves:  # the direct stock job validates every tensor, not a sample
         jobs[("coordinator", HERE, "fsdp", save, n, "stock")]["validation_sample"] = None
     results = {}

@@ -42,7 +42,7 @@ class ScalingOptions(Workload):
     parallel: int = 2
 
 
-def _jobs(opts: ScalingOptions):
+def measurement_jobs(opts: ScalingOptions):
     """(key, stack, job) for every measurement the requested records need."""
     measured = sorted({n for n in opts.ranks if n <= opts.max_measured} | {8, opts.max_measured})
     validated = sorted({n for n in opts.ranks if n <= opts.max_validated}
@@ -67,8 +67,8 @@ def _jobs(opts: ScalingOptions):
 
 
 def measure_all(opts: ScalingOptions, progress=print, python_for=here_only) -> dict:
-    """Every job's result, keyed as `_jobs` names them; `python_for(stack)` is the interpreter."""
-    jobs = list(_jobs(opts))
+    """Every job's result, keyed as `measurement_jobs` names them; `python_for(stack)` is the interpreter."""
+    jobs = list(measurement_jobs(opts))
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=opts.parallel) as pool:
         futures = {pool.submit(run_job, python_for(stack), job): key for key, stack, job in jobs}
