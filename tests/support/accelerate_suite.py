@@ -9,6 +9,7 @@ the sdist is downloaded from the package registry and checked against the sha256
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import tarfile
@@ -30,6 +31,14 @@ from ckptdoctor.ports import free_port
 
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")  # one rank: how a job of one process inside a launcher runs
+"""
+VERSION_PLUGIN = """\
+import json, os
+import accelerate, torch
+
+with open(os.environ["CKPTDOCTOR_VERSIONS_JSON"], "w") as f:  # what the run imported, from the run itself
+    json.dump({"accelerate": accelerate.__version__, "accelerate_file": accelerate.__file__,
+               "torch": torch.__version__.split("+")[0]}, f)
 """
 PIP_ENV = {"PIP_CONSTRAINT": "/dev/null", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
@@ -61,29 +70,52 @@ def fetch(python: str, version: str, scratch: Path) -> Path:
     return scratch / f"accelerate-{version}"
 
 
+def overlay(python: str, version: str, scratch: Path) -> Path:
+    """Accelerate `version` from the registry, without its dependencies (the stack's own serve),
+    in a directory of its own: `run(..., overlay=...)` puts it ahead of the stack's Accelerate, so
+    that one stack's interpreter runs another Accelerate release's tests against that release."""
+    target = scratch / f"accelerate-{version}-site"
+    got = subprocess.run([python, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+                          f"accelerate=={version}"], capture_output=True, text=True, env={**os.environ, **PIP_ENV})
+    if got.returncode:
+        raise Unavailable(f"could not install accelerate {version}: {got.stderr.strip()[-300:]}")
+    return target
+
+
 def run(python: str, source: Path, files: list[str], scratch: Path, fix: bool, group: bool,
-        src: Path | None = None) -> dict[str, tuple[str, str]]:
+        src: Path | None = None, overlay: Path | None = None) -> Outcomes:
     """Run Accelerate's test `files` in `source` with pytest; test id -> (passed | failed |
-    skipped, the failure's first line)."""
+    skipped, the failure's first line). `overlay`: an Accelerate release to run instead of the
+    stack's (see `overlay()`)."""
     name = f"{'ours' if fix else 'stock'}-{'group' if group else 'alone'}"
     plugins = scratch / "plugins"
     plugins.mkdir(exist_ok=True)
     (plugins / "ckptdoctor_fix.py").write_text(FIX_PLUGIN)
     (plugins / "one_rank_group.py").write_text(GROUP_PLUGIN)
-    junit = scratch / f"junit-{name}.xml"
-    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    (plugins / "imported_versions.py").write_text(VERSION_PLUGIN)
+    junit = scratch / f"junit-{name}{'-' + overlay.name if overlay else ''}.xml"
+    args = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", "-p", "imported_versions"]
     args += ["-p", "one_rank_group"] * group + ["-p", "ckptdoctor_fix"] * fix
-    paths = [str(plugins), str(scratch / "site")] + ([str(src)] if src else [])
+    paths = [str(plugins), str(scratch / "site")] + ([str(overlay)] if overlay else []) + ([str(src)] if src else [])
     env = {"PYTHONPATH": os.pathsep.join(paths), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-           "HOME": str(scratch), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+           "HOME": str(scratch), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "CKPTDOCTOR_VERSIONS_JSON": str(junit.with_suffix(".versions.json"))}
     proc = subprocess.run(args + files, cwd=source, env=env, capture_output=True, text=True, timeout=1800)
     if not junit.exists():
         raise AssertionError(f"pytest wrote no report for the {name} run: {proc.stdout[-1500:]}{proc.stderr[-1500:]}")
-    return outcomes(junit)
+    found = outcomes(junit)
+    found.imported = json.loads(junit.with_suffix(".versions.json").read_text())
+    return found
 
 
-def outcomes(junit: Path) -> dict[str, tuple[str, str]]:
-    found = {}
+class Outcomes(dict):
+    """test id -> (outcome, first line of the failure); `imported`: the versions the run imported
+    (read inside the run: {"accelerate", "accelerate_file", "torch"})."""
+    imported: dict = {}
+
+
+def outcomes(junit: Path) -> Outcomes:
+    found = Outcomes()
     for case in ET.parse(junit).iter("testcase"):
         failure = case.find("failure")
         failure = case.find("error") if failure is None else failure
