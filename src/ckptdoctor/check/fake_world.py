@@ -31,6 +31,28 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+def peak_from_here() -> int:
+    """This process's resident memory now, from which `peak_rss_bytes` counts: the kernel's
+    high-water mark is reset to it (Linux: "5" to /proc/self/clear_refs), so that a peak is the
+    measured phase's, not the job's setup's. Where it cannot be reset, the peak is the process's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return rss_bytes()
+
+
 def peak_rss_bytes() -> int:
-    """The most resident memory this process has held."""
+    """The most resident memory this process has held (since `peak_from_here`), read from its own
+    memory map's high-water mark (VmHWM). Not `getrusage`'s ru_maxrss: across exec, Linux keeps the
+    larger of the new image's peak and the parent's at the fork, so a job started by a large
+    process (pytest, a trainer) reported the parent's peak as its own."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

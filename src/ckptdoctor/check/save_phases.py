@@ -28,7 +28,7 @@ import pickle
 import time
 from collections import ChainMap
 
-from .fake_world import init_fake_world, peak_rss_bytes, rss_bytes
+from .fake_world import init_fake_world, peak_from_here, peak_rss_bytes
 from .layout import Layout
 from .state_dicts import build_state_dict
 
@@ -192,7 +192,7 @@ def measure_coordinator(save: str, specs, ranks: int, layout: Layout, planner: s
     if planner == "ours":
         return _measure_finish_ours(save, specs, ranks, layout, repeats, progress)
     gc.collect()
-    baseline = rss_bytes()
+    baseline = peak_from_here()
     blobs = [pickle.dumps(plan) for plan in rank_plans(save, specs, ranks, layout, planner, progress)]
     timer = _Timer()
     for _ in range(repeats):  # the garbage collector on, as torch runs
@@ -215,7 +215,7 @@ def _measure_finish_ours(save, specs, ranks, layout, repeats, progress) -> Coord
     from ..fix.storage import StorageColumns, WrittenItems, _with_storage_columns, columns_coverage_problems
 
     gc.collect()
-    baseline = rss_bytes()
+    baseline = peak_from_here()
     planner, _ = scalable_local_plan(build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout)))
     metadata = checked(planner.derived_metadata())
     blobs, columns_s = [], 0.0
@@ -290,7 +290,7 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()
-    baseline = rss_bytes()
+    baseline = peak_from_here()
     clear_chunk_caches()
     start = time.process_time()
     planner, plan0 = scalable_local_plan(state_dict)
