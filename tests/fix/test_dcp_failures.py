@@ -23,10 +23,5 @@ def test_the_first_failure_is_the_lowest_ranks_and_a_plain_error_is_its_own():
     assert dcp_failures.first(plain) is plain and dcp_failures.per_rank(plain) == {}
 
 
-def test_carries_looks_into_every_rank_and_at_a_plain_error_itself():
-    assert dcp_failures.carries(report(), NotDerivable) and not dcp_failures.carries(report(), KeyError)
-    assert dcp_failures.carries(NotDerivable("x"), NotDerivable)
-
-
 def test_the_one_line_names_every_failed_rank_and_the_lowest_ones_reason():
     assert describe(report()) == "in DCP on rank(s) 1,3: OSError: [Errno 28] No space left on device"

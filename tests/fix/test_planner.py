@@ -146,36 +146,35 @@ def test_the_broadcast_back_is_slim_after_our_writer_and_stock_after_stocks(tmp_
         assert str(reader.read_metadata().storage_meta.checkpoint_id) == str(tmp_path / "ours")
 
 
-@pytest.mark.slow
-def test_ranks_that_disagree_on_keys_refuse_the_derived_path_and_save_on_the_owned_one(tmp_path):
-    ours = tmp_path / "owned"
-    reports = saves(tmp_path, 4, {tmp_path / "derived": "ours+writer", ours: "ours-owned+writer"},
-                    env={"EXTRA_KEY_ON_RANK": "1"})
-    refused, saved = reports[tmp_path / "derived"], reports[ours]
-    assert [r["failed"] for r in refused] == [["NotDerivable"]] * 4  # every rank, and nothing written
-    assert "rank 1 holds a different state dict structure" in refused[0]["error"]
-    assert not (tmp_path / "derived" / ".metadata").exists()
-    assert [r["mode"] for r in saved] == ["owned"] * 4
-    assert "plain.only_here" in described(ours)  # the key only rank 1 holds is saved, not dropped ...
-    only = {"plain": {"only_here": torch.zeros(3)}}
-    torch.distributed.checkpoint.load(only, storage_reader=FileSystemReader(str(ours)))  # ... with its bytes
-    assert torch.equal(only["plain"]["only_here"], torch.ones(3))
-    assert all(len(files) == 1 for files in writers(ours).values())
-    loaded = run(tmp_path, 2, "load", ours)
-    assert all(r["mismatches"] == [] for r in loaded)
+USED_ALONE = {  # what real jobs hold that rank 0 alone cannot derive, and the path every rank agrees on
+    "a-key-on-one-rank": ({"EXTRA_KEY_ON_RANK": "1"}, "owned"),
+    "a-pipeline-stage-only-its-ranks-hold": ({"STAGE": "1"}, "owned"),
+    "a-sub-mesh-dtensor": ({"SUBMESH": "1"}, "owned"),
+    "ranks-holding-nothing-of-a-tensor": ({"UNEVEN": "1"}, "derived"),
+}
 
 
 @pytest.mark.slow
-def test_used_alone_the_planner_saves_a_sub_mesh_dtensor_as_stock_does_on_the_owned_path(tmp_path):
-    """A DTensor on one row of a 2-D mesh: rank 0 cannot derive its chunks, every rank sees that
-    by itself and sends its owned items, and the save takes the owned path with no retry."""
-    env = {"SUBMESH": "1"}
-    saved = saves(tmp_path, 4, {tmp_path / "ours": "ours+writer", tmp_path / "stock": "stock"}, env=env)[tmp_path / "ours"]
-    assert [r.get("failed") for r in saved] == [None] * 4 and [r["mode"] for r in saved] == ["owned"] * 4
-    assert described(tmp_path / "ours") == described(tmp_path / "stock")
-    assert all(len(files) == 1 for files in writers(tmp_path / "ours").values())
-    loaded = run(tmp_path, 4, "load", tmp_path / "ours", env=env)  # stock dcp.load
+@pytest.mark.parametrize("kind", USED_ALONE)
+def test_used_alone_the_planner_saves_what_stock_saves_and_stock_loads_it_back(tmp_path, kind):
+    """dcp.save with our planner (with our writer, and with stock's), no ScalableCheckpointing:
+    the ranks agree on the path before planning, so nothing is refused where stock saves."""
+    env, path = USED_ALONE[kind]
+    ours, alone, stock = tmp_path / "ours", tmp_path / "planner-alone", tmp_path / "stock"
+    reports = saves(tmp_path, 4, {ours: "ours+writer", alone: "ours", stock: "stock"}, env=env)
+    for saved in (ours, alone):
+        assert [r.get("failed") for r in reports[saved]] == [None] * 4, reports[saved][0].get("error")
+        assert [r["mode"] for r in reports[saved]] == [path] * 4
+        assert described(saved) == described(stock)
+        assert all(len(files) == 1 for files in writers(saved).values())  # each item written once
+    log = (tmp_path / "save-4.log").read_text()
+    assert log.count("so the save takes the owned path") == (2 if path == "owned" else 0)  # rank 0, once a save
+    loaded = run(tmp_path, 4, "load", ours, env=env)  # stock dcp.load, every value compared bit for bit
     assert all(r["mismatches"] == [] for r in loaded)
+    if kind == "a-key-on-one-rank":  # the key only rank 1 holds is saved, with its bytes
+        only = {"plain": {"only_here": torch.zeros(3)}}
+        torch.distributed.checkpoint.load(only, storage_reader=FileSystemReader(str(ours)))
+        assert torch.equal(only["plain"]["only_here"], torch.ones(3))
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +264,18 @@ def test_a_final_plan_that_is_not_rank_0s_assignment_or_names_an_item_the_rank_l
         planner1.finish_plan(SavePlan([]))
     with pytest.raises(NotDerivable, match=r"rank 0 assigned this rank 1 plain item\(s\) it does not hold"):
         planner1.finish_plan(SavePlan([], planner_data=Assignment("derived", plain_keys=("p0", "not_here"))))
+
+
+@pytest.mark.slow
+def test_a_2x2_pipeline_job_with_fsdp2_saves_with_the_planner_alone_and_loads_back_bit_exact_with_stock(tmp_path):
+    """torch.distributed.pipelining (GPipe, 2 stages) with fully_shard inside each stage, saved as
+    torchtitan saves PP jobs: each stage's own keys, on its own sub-mesh, in one dcp.save."""
+    result = launch([str(JOBS / "pipeline_job.py"), str(tmp_path)], 4, tmp_path / "job.log", timeout_s=300)
+    assert result.returncodes == [0] * 4, (tmp_path / "job.log").read_text()[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert [r["stage"] for r in reports] == [0, 0, 1, 1]
+    assert reports[0]["keys"] == reports[1]["keys"] and not set(reports[0]["keys"]) & set(reports[2]["keys"])
+    assert [r["mode"] for r in reports] == ["owned"] * 4  # agreed: the stages hold different keys
+    assert all(r["compared"] > 20 and r["differ"] == [] and r["nonzero"] > 0 for r in reports)  # bit for bit
+    assert described(tmp_path / "ours") == described(tmp_path / "stock")
+    assert all(len(files) == 1 for files in writers(tmp_path / "ours").values())

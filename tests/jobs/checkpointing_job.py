@@ -9,8 +9,8 @@ FAULT (what the test injects; ScalableCheckpointing's defences are under test):
     none         one save, published
     installed    ckptdoctor.install(accelerator), then the accelerator's own save_state and load_state
     double       both integrations on one Accelerator, in each order (install first; ScalableCheckpointing first)
-    differ       rank RANK's model holds a key the others do not: rank 0 cannot derive the save, which is
-                 retried on the owned path; then loaded back
+    differ       rank RANK's model holds a key the others do not: rank 0 cannot derive the save, which
+                 takes the owned path by the planner's agreement; then loaded back
     planner      the accelerator passes its own SavePlanner subclass: refused, nothing published
     settings     rank RANK's environment says CKPTDOCTOR_PUBLISH=in_place, the others' rename
     sigstop      rank RANK stops itself (SIGSTOP) in its local plan, as a node that vanished

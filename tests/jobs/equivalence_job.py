@@ -136,19 +136,19 @@ def compare(case: dict, loaded: dict, rank: int, world: int, meshes: Meshes) -> 
     return out
 
 
-def planners(case: dict, ours: bool, derive: bool = True):
+def planners(case: dict, ours: bool):
     opts = dict(flatten_state_dict=case["flatten"], dedup_save_to_lowest_rank=case["lowest"],
                 enable_plan_caching=case["caching"])
-    return ScalableSavePlanner(derive_metadata=derive, **opts) if ours else DefaultSavePlanner(**opts)
+    return ScalableSavePlanner(**opts) if ours else DefaultSavePlanner(**opts)
 
 
 def writer(path: Path, ours: bool):
     return ScalableFileSystemWriter(path) if ours else FileSystemWriter(path)
 
 
-def save_one(case, state, path, ours, group, rank, derive=True):
+def save_one(case, state, path, ours, group, rank):
     """One save in the case's call mode; returns the planner's mode (or "stock")."""
-    planner = planners(case, ours, derive)
+    planner = planners(case, ours)
     mode = case["mode"]
     if mode == "async":
         dcp.async_save(state, storage_writer=writer(path, ours), planner=planner, process_group=group).result()
@@ -181,16 +181,8 @@ def run_save(cases, out: Path, rank: int, world: int) -> list[dict]:
             try:
                 for repeat in range(2 if case["caching"] else 1):  # caching: the second save reuses plans
                     target = path if repeat == 0 else path.with_name(path.name + "-again")
-                    try:
-                        result[f"{who}_mode"] = save_one(case, build(case, meshes, rank), target, who == "ours",
-                                                         group, rank)
-                    except BaseException as error:  # noqa: BLE001
-                        if who == "ours" and _failure_names(error) == ["NotDerivable"]:
-                            result["refused"] = _first_failure(error)
-                            result[f"{who}_mode"] = save_one(case, build(case, meshes, rank), target, True, group,
-                                                             rank, derive=False)
-                        else:
-                            raise
+                    result[f"{who}_mode"] = save_one(case, build(case, meshes, rank), target, who == "ours",
+                                                     group, rank)
                 loaded = build(case, meshes, rank, zeros=True)
                 load_path = path / f"rank{rank}" if case["mode"] == "no_dist" else path
                 dcp.load(loaded, storage_reader=FileSystemReader(load_path), process_group=group,
@@ -260,12 +252,6 @@ def _failure_names(error: BaseException) -> list[str]:
     failures = getattr(error, "failures", None) or {}
     return sorted({type(f[0] if isinstance(f, tuple) else f).__name__ for f in failures.values()}) or \
         [type(error).__name__]
-
-
-def _first_failure(error: BaseException) -> str:
-    failures = getattr(error, "failures", None) or {}
-    first = next(iter(failures.values()), (error,))
-    return str(first[0] if isinstance(first, tuple) else first)
 
 
 def main() -> int:

@@ -16,6 +16,9 @@ Faults, injected by environment variable (the fix's defences are under test, not
     EXTRA_KEY_ON_RANK=R       rank R holds a replicated key the others do not
     SUBMESH=1                 add a DTensor on a sub-mesh (one row of the 2-D mesh), which rank 0
                               cannot derive: the planner alone must take the owned path
+    STAGE=1                   a pipeline stage's layer: only the second half of the ranks hold it, on
+                              their own mesh (rank 0 neither holds nor sees it)
+    UNEVEN=1                  a DTensor with fewer rows than ranks: the last ranks hold nothing of it
     DIFFER_ON_RANK=R          rank R's copy of the replicated plain.lora differs
     VERIFY_REPLICAS=1         save with ScalableSavePlanner(verify_replicas=True)
     FAIL_PLANNING_ON_RANK=R   torch's local planning raises on rank R
@@ -40,7 +43,7 @@ from ckptdoctor.fix.load_planner import ScalableLoadPlanner
 from ckptdoctor.fix.storage import ScalableFileSystemReader
 
 SHAPES = {"fsdp.w": (10, 7), "fsdp.down": (3, 13), "fsdp.small": (2,), "hsdp.w": (9, 5), "plain.lora": (4, 4),
-          "row.w": (6, 3)}
+          "row.w": (6, 3), "stage1.w": (5, 2), "fsdp.short": (2, 3)}
 
 
 def full(name: str, shape) -> torch.Tensor:
@@ -62,6 +65,10 @@ def build(rank: int, world: int, zeros: bool = False) -> dict:
     }
     if os.environ.get("SUBMESH") == "1":  # every row holds its own full copy, sharded over the row
         state["row"] = {"w": distribute_tensor(value("row.w"), hsdp["shard"], [Shard(0)])}
+    if os.environ.get("STAGE") == "1" and rank >= world // 2:  # stage 1's ranks, sharded over their own row
+        state["stage1"] = {"w": distribute_tensor(value("stage1.w"), hsdp["shard"], [Shard(0)])}
+    if os.environ.get("UNEVEN") == "1":
+        state["fsdp"]["short"] = distribute_tensor(value("fsdp.short"), fsdp, [Shard(0)])
     if os.environ.get("EXTRA_KEY_ON_RANK") == str(rank):  # ranks disagree on the replicated keys
         state["plain"]["only_here"] = torch.ones(3)
     if os.environ.get("DIFFER_ON_RANK") == str(rank) and not zeros:

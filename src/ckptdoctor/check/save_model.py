@@ -136,7 +136,8 @@ def _ours_at(results, key, coord: dict[int, dict], n: int) -> tuple[dict, dict, 
     totals = {"items_gathered": planned["items_gathered"], "peak_mem_bytes": planned["peak_mem_bytes"],
               "bytes_from_rank0": planned["bytes_from_rank0"],
               "bytes_to_rank0": planned["bytes_to_rank0"] + finish_totals["results_to_rank0"],
-              "finish_mem_bytes": finish_totals["peak_mem_bytes"]}
+              "finish_mem_bytes": finish_totals["peak_mem_bytes"],
+              "agreement_bytes_per_rank": planned["agreement_bytes_per_rank"]}
     return phase_s, basis, totals
 
 

@@ -283,10 +283,12 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
     no other rank's items are needed: every other rank sends the same handshake with its own
     rank, which is what rank 0 unpickles here. The planner's own local step and global step
     run as in dcp.save (`create_local_plan`, `create_global_plan`), then the storage writer's
-    global step and the pickling of the scattered plans."""
+    global step and the pickling of the scattered plans. Before planning, every rank (rank 0 too)
+    unpickles the N views of the planner's agreement (planner.py): timed here at N."""
     from torch.distributed.checkpoint import FileSystemWriter
 
     from ..fix.chunks import clear_chunk_caches
+    from ..fix.planner import View
 
     state_dict = build_state_dict(save, specs, layout, init_fake_world(0, ranks, layout))
     gc.collect()
@@ -308,11 +310,17 @@ def measure_planning_ours(save: str, specs, ranks: int, layout: Layout, repeats:
         scatter = timer("pickle scattered plans", lambda: [pickle.dumps(p) for p in global_plan])
         timer.end_repeat()
     timer.phase_s["local plan (every rank)"] = local_s
+    view = pickle.dumps(View(ranks - 1, plan0.planner_data.digest, None))
+    start = time.process_time()
+    views = [pickle.loads(view) for _ in range(ranks)]
+    timer.phase_s["agreement (every rank)"] = time.process_time() - start
+    del views
     chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values() if hasattr(md, "chunks"))
     return {"ranks": ranks, "items_gathered": sum(len(p.items) for p in all_plans), "chunks": chunks,
             "distinct_chunk_lists": planner.meshes.chunk_list_count,
             "bytes_to_rank0": ranks * max(map(len, blobs)),  # gather_object pads every payload to the largest
             "bytes_from_rank0": ranks * max(map(len, scatter)), "phase_s": timer.phase_s,
+            "agreement_bytes_per_rank": ranks * len(view),  # all_gather_object: N views to every rank
             "peak_mem_bytes": max(0, peak_rss_bytes() - baseline)}
 
 

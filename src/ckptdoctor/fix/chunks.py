@@ -129,16 +129,6 @@ class MeshIndex:
                 return f"{fqn}'s chunk {tuple(chunk.offsets)}+{tuple(chunk.sizes)} is not torch's {expected}"
         return None
 
-    def not_whole_world(self, items: list[WriteItem], state_dict: dict) -> str | None:
-        """Why rank 0 could not derive a DTensor on a mesh other than the whole default group
-        (e.g. a sub-mesh), as this rank sees it; None when every mesh is the whole world."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        outside = self.meshes_not_spanning(set(range(dist.get_world_size())), items, state_dict)
-        return None if outside is None else f"{outside} is on a mesh that is not the whole world"
-
     @staticmethod
     def meshes_not_spanning(ranks: set[int], items: list[WriteItem], state_dict: dict) -> str | None:
         """The first key whose DTensor mesh holds other ranks than `ranks` (the save's)."""

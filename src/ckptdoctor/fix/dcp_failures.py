@@ -3,8 +3,7 @@
 DCP gathers every rank's exception of a collective step and raises a `CheckpointException`
 (a BaseException) on every rank, whose `failures` maps each failed rank to its exception, or to
 (exception, traceback) on some versions. The fix names the failed ranks and the lowest one's
-own line (agreement.describe), retries a save whose failure is only `NotDerivable`
-(checkpointing), and turns a failed load into one CheckpointAborted.
+own line (agreement.describe) and turns a failed load into one CheckpointAborted.
 """
 
 from __future__ import annotations
@@ -22,9 +21,3 @@ def first(error: BaseException) -> BaseException:
     """The lowest failed rank's exception, or the error itself."""
     ranks = per_rank(error)
     return ranks[min(ranks)] if ranks else error
-
-
-def carries(error: BaseException, kind: type) -> bool:
-    """Whether DCP's report (or the error itself) holds a `kind` failure."""
-    ranks = per_rank(error)
-    return any(isinstance(f, kind) for f in ranks.values()) if ranks else isinstance(error, kind)

@@ -12,8 +12,6 @@ attributes with pass-throughs to torch's own functions that:
   kind is refused: that save would not be the fix's), and the writer or reader for ours (same
   files; a plain FileSystemWriter/Reader carries no state of its own, so its class is changed
   in place and its settings kept);
-* on a save rank 0 cannot derive (`NotDerivable`: ranks hold different keys), save again at
-  once on the planner's owned path, with one warning;
 * count every call and record each checkpoint's directory in the open publication, which
   publish.py checks before it publishes (a save that bypassed the fix fails there).
 
@@ -25,17 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 from pathlib import Path
 
-from . import dcp_failures
 from .agreement import CheckpointAborted
 from .load_planner import ScalableLoadPlanner
-from .planner import NotDerivable, ScalableSavePlanner
+from .planner import ScalableSavePlanner
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
-
-log = logging.getLogger(__name__)
-
 
 @contextlib.contextmanager
 def routed(group, verify_replicas: bool, record, opened=None):
@@ -63,15 +56,9 @@ def _routed_save(original, group, verify: bool, record, opened):
         if opened is not None:
             opened.checkpoints.append(_relative(getattr(storage_writer, "path", checkpoint_id), opened))
         kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group or group)
-        try:
-            result = original(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
-        except BaseException as error:
-            if not dcp_failures.carries(error, NotDerivable):
-                raise
-            log.warning("ckptdoctor: rank 0 could not derive this save's metadata (%s); saving on the owned path",
-                        dcp_failures.first(error))
-            result = original(state_dict, planner=ScalableSavePlanner(derive_metadata=False, verify_replicas=verify),
-                              **kwargs)
+        # a save rank 0 cannot derive (ranks holding different keys) takes the owned path by the
+        # planner's own agreement, with one warning: nothing to retry here
+        result = original(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
         record.checkpoints += 1
         record.bytes_written += getattr(storage_writer, "bytes_written", 0)  # rank 0's writer knows them all
         return result

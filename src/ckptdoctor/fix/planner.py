@@ -27,14 +27,26 @@ protocol, files and metadata, and changes what travels:
   that what the ranks wrote is exactly what the metadata lists (`coverage_problems`).
 
 The "owned" path, at stock's cost: ranks send the items they own and rank 0 builds the
-metadata from them; `derive_metadata=False` always takes it. Otherwise a rank that sees by
-itself that rank 0 could not derive its chunks (a ShardedTensor, a chunk torch's function does
-not predict, a DTensor on a mesh that is not the whole world, e.g. a sub-mesh) sends its owned
-items with its handshake; when every rank did, the save takes the owned path by itself, with
-one warning on rank 0, so the planner used alone saves what stock saves. What no rank can see
-alone (ranks holding different keys, or only some ranks in doubt) fails the save with
-`NotDerivable` on every rank before anything is written; `ScalableCheckpointing` retries such
-a save on the owned path.
+metadata from them; `derive_metadata=False` always takes it. Which path a save takes is agreed
+before any rank plans, so that the planner used alone saves whatever stock saves:
+
+* the agreement: each rank puts (its global rank, its digest, why rank 0 could not derive its
+  chunks or None: a ShardedTensor, a chunk torch's function does not give) into one all-gather of
+  small objects on the group DCP is about to gather the plans on (plan_group.py: the caller
+  passes nothing, and no other group is ever used). Every rank then decides alike: derived when every rank
+  holds rank 0's structure, nobody is in doubt and every DTensor's mesh is exactly the save's
+  ranks; otherwise owned (ranks holding different keys, as pipeline stages do; a DTensor on a
+  sub-mesh; a ShardedTensor), with one warning on rank 0 naming the first reason. N x ~60 bytes
+  to every rank, one collective (two: object sizes, then the objects), whatever the model;
+* a rank whose local planning raised still takes part (with its failure flagged), then raises:
+  DCP's own gather carries its exception to every rank, as stock's does; nothing waits for a
+  deadline. A rank that died leaves the others in this all-gather for the group's timeout, as it
+  would in DCP's own gather (`ScalableCheckpointing`'s heartbeat ends that wait);
+* where DCP exchanges no plans (one process, `no_dist=True`) there is nobody to agree with: the
+  rank's own view decides.
+
+The handshake checks stay as a safety net: on the derived path rank 0 still refuses, with
+`NotDerivable` on every rank before anything is written, a rank whose digest or view differs.
 
 Optional: `verify_replicas=True` (or a predicate on keys) adds a CRC-32 of every replicated
 tensor to the handshake, and the save fails, naming the keys, when replicas differ. Stock
@@ -65,9 +77,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from torch.distributed.tensor import DTensor
 
 from ..errors import CkptDoctorError
+from ..ranks import format_ranks
 from .chunks import MeshIndex
 from .compat import check_torch
 from .ownership import Placement, assign_plain_items, item_bytes, owned_shards
+from .plan_group import plan_group
 from .validation import validate_chunks
 
 log = logging.getLogger(__name__)
@@ -131,16 +145,24 @@ class ScalableSavePlanner(DefaultSavePlanner):
         self.meshes = MeshIndex()
 
     def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()  # torch's own local plan: every item this rank holds
-        self.local_items = plan.items
-        self.owned_shards = owned_shards(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
-                                         lowest_rank=self.dedup_save_to_lowest_rank)
-        doubt = self.meshes.not_derivable(plan.items, self.state_dict) or \
-            self.meshes.not_whole_world(plan.items, self.state_dict)
+        failure, digest, doubt = None, 0, None
+        try:
+            plan = super().create_local_plan()  # torch's own local plan: every item this rank holds
+            self.local_items = plan.items
+            self.owned_shards = owned_shards(plan.items, lambda fqn: Placement.of(self.state_dict[fqn]),
+                                             lowest_rank=self.dedup_save_to_lowest_rank)
+            digest = structure_digest(plan.items, self.state_dict, self.mappings, self.meshes)
+            doubt = self.meshes.not_derivable(plan.items, self.state_dict)
+        except BaseException as error:  # still agree (below), then fail: DCP's gather carries it to every rank
+            failure = error
+        if self.derive_metadata:
+            doubt = self.agree(View(_global_rank(), digest, doubt, failure is not None))
+        if failure is not None:
+            raise failure
         send_owned = not self.derive_metadata or doubt is not None
         handshake = Handshake(
             global_rank=_global_rank(),
-            digest=structure_digest(plan.items, self.state_dict, self.mappings, self.meshes),
+            digest=digest,
             not_derivable=doubt,
             checksums=replica_checksums(plan.items, self.state_dict, self.verify_replicas),
             mappings=self.mappings if send_owned else None, sent_owned=send_owned)
@@ -150,6 +172,26 @@ class ScalableSavePlanner(DefaultSavePlanner):
         else:
             self.plan = SavePlan([], planner_data=handshake)
         return self.plan
+
+    def agree(self, mine: "View") -> str | None:
+        """Every rank, before planning (module docstring, "the agreement"): why this save takes
+        the owned path, the same answer on every rank, or None for the derived path."""
+        views = all_views(mine)
+        if views is None:  # one process, no group: its own view decides
+            return mine.doubt
+        if any(v.failed for v in views):
+            return "a rank failed in planning"  # it raises; DCP's gather fails the save for every rank
+        for rank, view in enumerate(views):
+            if view.doubt is not None:
+                return f"rank {rank}: {view.doubt}"
+        differ = [rank for rank, v in enumerate(views) if v.digest != views[0].digest]
+        if differ:
+            return (f"rank(s) {format_ranks(differ)} hold a different state dict structure than rank 0 (keys, sizes, "
+                    f"dtypes, placements or meshes differ)")
+        outside = self.meshes.meshes_not_spanning({v.global_rank for v in views}, self.local_items, self.state_dict)
+        if outside is not None:
+            return f"{outside} is on a mesh whose ranks are not exactly the ranks of this save"
+        return None
 
     # -- rank 0: global plan ---------------------------------------------------------------
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -230,6 +272,30 @@ class ScalableSavePlanner(DefaultSavePlanner):
         if isinstance(value, DTensor):
             return self.meshes.position(value, offsets)
         return 0 if isinstance(value, torch.Tensor) else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """What each rank puts into the agreement: a few numbers and, when in doubt, why."""
+
+    global_rank: int
+    digest: int
+    doubt: str | None
+    failed: bool = False
+
+
+def all_views(mine: View) -> list[View] | None:
+    """Every rank's view, in the plan group's rank order, through one all-gather of objects (the
+    object collectives DCP itself uses, so on the device its group needs); None where DCP
+    exchanges no plans."""
+    import torch.distributed as dist
+
+    where = plan_group()
+    if where is None:
+        return None
+    views = [None] * dist.get_world_size(where.group)
+    dist.all_gather_object(views, mine, group=where.group)
+    return views
 
 
 def _global_rank() -> int:
