@@ -18,7 +18,7 @@ What it changes, and nothing else:
   cannot trip it;
 * `ScalableSavePlanner` instead of the `DefaultSavePlanner()` Accelerate passes, and
   `ScalableFileSystemWriter` instead of its `FileSystemWriter(path)` (same files). A save rank 0
-  cannot derive (ranks hold different keys) is retried at once on the planner's owned path;
+  cannot derive (ranks hold different keys) takes the planner's owned path by its own agreement;
 * atomic publication (publish.py): everything is written to `<dir>.incomplete-<token>` and
   rank 0 renames it into place and marks it complete only when every DCP checkpoint in it has
   its `.metadata`; the next successful commit removes what dead saves left beside it (dead: begun
