@@ -17,7 +17,7 @@ import torch
 from ckptdoctor.fix.publish import (COMPLETE_MARKER, INCOMPLETE, counts_as_checkpoint, find_latest, is_complete,
                                     legacy_complete)
 from ckptdoctor.repro.mova.job import PATCHED_FILES, TRAINER, MovaRun, run_mova
-from ckptdoctor.repro.reproduce import ReproOptions, reproduce
+from ckptdoctor.repro.reproduce import FIRST_SAVE, ReproOptions, reproduce
 from ckptdoctor.repro.stacks import USER, installed_versions
 
 from support.commands import CKPTDOCTOR, SCRIPTS_REPRO, first_run, rerun, verdict_line
@@ -170,7 +170,7 @@ def test_patched_mova_saves_at_the_deadline_that_broke_it(which, request):
     published, listed = {"full": ("", ["accelerator/optimizer_0", "accelerator/pytorch_model_fsdp_0"]),
                          "minimal": ("accelerator", ["optimizer_0", "pytorch_model_fsdp_0"])}[fixed["integration"]]
     assert fixed["integration"] == {"sft": "full", "lora": "minimal"}[which]
-    for step in ("step-4", "final"):  # MOVA saves at the interval and at the end
+    for step in (FIRST_SAVE, "final"):  # MOVA saves at the interval and at the end
         assert is_complete(save_path / step / published), step
         marker = json.loads((save_path / step / published / COMPLETE_MARKER).read_text())
         assert sorted(marker["dcp_checkpoints"]) == listed

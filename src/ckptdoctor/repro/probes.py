@@ -44,7 +44,7 @@ CHECKED_TORCH = ("2.8.0", "2.14.1", "2.15.0")
 
 def save_key(name: str, round_: int) -> str:
     """A save's key in the events: its directory name, "@<round>" from the second save of that
-    name on (a job that saves step-4 and then final saves optimizer_0 twice)."""
+    name on (a job that saves step-1 and then final saves optimizer_0 twice)."""
     return name if round_ == 0 else f"{name}@{round_}"
 
 
