@@ -88,6 +88,22 @@ def test_a_mode_that_saves_through_its_own_engine_stays_stock_with_one_info_line
     assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)  # Accelerate's own
 
 
+def test_scalable_checkpointing_made_directly_on_such_a_mode_is_refused_in_one_line(make, monkeypatch):
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    from ckptdoctor import ScalableCheckpointing
+    from ckptdoctor.errors import CkptDoctorError
+    from ckptdoctor.fix.checkpointing import OWNER
+
+    accelerator, *_ = make(fix=False)
+    monkeypatch.setattr(Accelerator, "distributed_type", property(lambda self: DistributedType.DEEPSPEED))
+    with pytest.raises(CkptDoctorError, match=r"^ScalableCheckpointing saves through DCP, and DeepSpeed saves through "
+                                              r"its own engine \(model.save_checkpoint\): keep this Accelerator's own"):
+        ScalableCheckpointing(accelerator)
+    assert getattr(accelerator, OWNER, None) is None  # nothing was set up on it
+
+
 # -- several ranks under accelerate's launcher --------------------------------------------------------
 
 def ddp_job(tmp_path, mode, *extra, world=2):

@@ -67,6 +67,7 @@ from .agreement import OK, CheckpointAborted, alone, every_rank_agrees, rank0_de
 from .compat import check_versions
 from .dcp_routing import routed
 from .heartbeat import Heartbeat, NoHeartbeat, exit_lost, job_store, log_lost, store_host
+from .install import engine_of
 from .load_check import prepare_for_load
 from .settings import Settings
 from .summary import OperationRecord, make_visible
@@ -99,6 +100,10 @@ class ScalableCheckpointing:
         import torch.distributed as dist
 
         check_versions()
+        engine = engine_of(accelerator)
+        if engine is not None:  # the same on every rank: every rank refuses alike, nothing is saved
+            raise CkptDoctorError(f"ScalableCheckpointing saves through DCP, and {engine}: keep this Accelerator's "
+                                  f"own save_state (ckptdoctor.install leaves such an Accelerator stock)")
         self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
                                          heartbeat=heartbeat, log_level=log_level, publish=publish, save_root=save_root)
         self.settings.apply_log_level()

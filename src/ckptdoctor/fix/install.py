@@ -51,6 +51,12 @@ ENGINES = {  # Accelerate's distributed types whose save_state goes through thei
 NOT_TAKEN = "_ckptdoctor_not_taken"  # set on an Accelerator install left stock (its INFO line said so once)
 
 
+def engine_of(accelerator) -> str | None:
+    """Why this Accelerator's save_state does not go through DCP (`ENGINES`), or None."""
+    kind = getattr(accelerator, "distributed_type", None)  # absent on Accelerator-like stand-ins: not an engine
+    return ENGINES.get(str(getattr(kind, "value", kind)))
+
+
 def install(accelerator, **settings):
     """Every rank, after `accelerator.prepare(...)`: route this Accelerator's save_state and
     load_state through a new ScalableCheckpointing (`settings`: its keywords, e.g. timeout_s;
@@ -58,8 +64,7 @@ def install(accelerator, **settings):
     from . import automatic_naming
     from .checkpointing import OWNER, ScalableCheckpointing
 
-    kind = getattr(accelerator, "distributed_type", None)  # absent on Accelerator-like stand-ins: not an engine
-    engine = ENGINES.get(str(getattr(kind, "value", kind)))
+    engine = engine_of(accelerator)
     if engine is not None:
         if getattr(accelerator, "is_main_process", True) and not getattr(accelerator, NOT_TAKEN, False):
             log.info("ckptdoctor.install: %s, not DCP: this Accelerator's save_state and load_state stay stock "
