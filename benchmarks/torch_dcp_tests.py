@@ -21,7 +21,10 @@ Each file runs twice with pytest in the stack's interpreter, in a fresh scratch 
 Both are applied by a `sitecustomize` module on the runs' PYTHONPATH, so the ranks torch's test
 bases spawn (fresh interpreters) get them too. A test that passes stock and fails swapped is run
 again, alone, in both modes (flaky tests: counted only if it fails again while stock passes).
-The report: per file, stock passed, swap passed, stock-pass/swap-fail (the goal: 0), the run's time.
+The report: per file, stock passed, swap passed, stock-pass/swap-fail (the goal: 0), the run's time,
+and how often our classes were used in the swap run. A file whose swap run never used them compared
+nothing: its passes are vacuous here (e.g. a test whose world size is the CUDA device count, 0 on
+CPU, so that its body never runs) or test another API (state_dict utilities without DCP I/O).
 """
 
 import argparse
@@ -204,6 +207,7 @@ def write_report(out: Path, args, rows: list[str], lost_all: list[str], started:
              f"(Debian {PACKAGE} {VERSION}) on this stack's torch, {time.monotonic() - started:.0f} s so far"
              f"{'' if done else ' (still running, or cut short)'}",
              "# file, stock passed/tests, swap passed/tests, stock-pass/swap-fail (confirmed alone), time, uses of our classes",
+             "# (ours used: never = that file compared nothing: see the module docstring)",
              *rows, f"stock-pass/swap-fail in all: {len(lost_all)}", *lost_all]
     out.write_text("\n".join(lines) + "\n")
 
