@@ -204,8 +204,8 @@ def write_report(out: Path, args, rows: list[str], lost_all: list[str], started:
                             text=True).stdout.strip()
     lines = [f"# python benchmarks/torch_dcp_tests.py --stack {args.stack}"
              f"{' --files ' + args.files if args.files else ''} (commit {commit}); torch 2.6.0's DCP tests "
-             f"(Debian {PACKAGE} {VERSION}) on this stack's torch, {time.monotonic() - started:.0f} s so far"
-             f"{'' if done else ' (still running, or cut short)'}",
+             f"(Debian {PACKAGE} {VERSION}) on this stack's torch, {time.monotonic() - started:.0f} s "
+             f"{'in all' if done else 'so far (still running, or cut short)'}",
              "# file, stock passed/tests, swap passed/tests, stock-pass/swap-fail (confirmed alone), time, uses of our classes",
              "# (ours used: never = that file compared nothing: see the module docstring)",
              *rows, f"stock-pass/swap-fail in all: {len(lost_all)}", *lost_all]
