@@ -30,6 +30,7 @@ from .load_planner import ScalableLoadPlanner
 from .planner import ScalableSavePlanner
 from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
+
 @contextlib.contextmanager
 def routed(group, verify_replicas: bool, record, opened=None):
     """Every rank, around Accelerate's save_state/load_state: its dcp.save/load go through the
