@@ -33,7 +33,10 @@ What it changes, and nothing else:
 * a failure on any rank, in any step, is the same CheckpointAborted on every rank (agreement.py);
 * heartbeats on the job's TCP store (heartbeat.py): when a rank dies, the others name it; when a
   rank stops answering without closing its connections (a lost node), rank 0 notices within
-  `lost_rank_s` and every rank exits (EXIT_LOST_RANK) instead of waiting out the group timeout.
+  `lost_rank_s` and every rank exits (EXIT_LOST_RANK) instead of waiting out the group timeout;
+* with `async_save` (CKPTDOCTOR_ASYNC=1), `save_state` and `commit` return once every rank's state
+  is copied into host memory; the DCP saves, the barrier and the publish run on a background
+  thread and group, and every later checkpoint call waits for them first (background.py).
 
 At construction, on every rank, in this order: the settings are resolved; an Accelerator that
 already saves through ckptdoctor (`install` and `ScalableCheckpointing` on the same one: every
@@ -63,11 +66,13 @@ from pathlib import Path
 from ..errors import CkptDoctorError
 from . import automatic_naming, dcp_failures
 from .adapters import adapter_state_dict  # noqa: F401 - the MOVA patch imports it from here
-from .agreement import OK, CheckpointAborted, alone, every_rank_agrees, rank0_decides
+from . import host_memory
+from .agreement import OK, CheckpointAborted, aborted, alone, every_rank_agrees, rank0_decides
+from .background import Background
 from .compat import check_versions
 from .dcp_routing import routed
 from .heartbeat import Heartbeat, NoHeartbeat, exit_lost, job_store, log_lost, store_host
-from .install import engine_of
+from .install import Routed, engine_of
 from .load_check import prepare_for_load
 from .settings import Settings
 from .summary import OperationRecord, make_visible
@@ -96,7 +101,7 @@ class ScalableCheckpointing:
     def __init__(self, accelerator, timeout_s: float | None = None, group=None, *, verify_replicas=False,
                  lost_rank_s: float | None = None, on_lost_rank: str | None = None, heartbeat: str | None = None,
                  log_level: str | None = None, publish: str | None = None, save_root: str | os.PathLike | None = None,
-                 integration: str = "ScalableCheckpointing"):
+                 async_save: bool | None = None, integration: str = "ScalableCheckpointing"):
         import torch.distributed as dist
 
         check_versions()
@@ -105,7 +110,8 @@ class ScalableCheckpointing:
             raise CkptDoctorError(f"ScalableCheckpointing saves through DCP, and {engine}: keep this Accelerator's "
                                   f"own save_state (ckptdoctor.install leaves such an Accelerator stock)")
         self.settings = Settings.resolve(timeout_s=timeout_s, lost_rank_s=lost_rank_s, on_lost_rank=on_lost_rank,
-                                         heartbeat=heartbeat, log_level=log_level, publish=publish, save_root=save_root)
+                                         heartbeat=heartbeat, log_level=log_level, publish=publish, save_root=save_root,
+                                         async_save=async_save)
         self.settings.apply_log_level()
         make_visible()
         refuse_a_second_integration(accelerator, integration)
@@ -119,6 +125,11 @@ class ScalableCheckpointing:
                                                  timeout=datetime.timedelta(seconds=self.settings.timeout_s))
             self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self._agree_on_settings()
+        self._background = Background(self.settings.timeout_s, self.group is None) if self.settings.async_save else None
+        self._pending: dict[Path, list] = {}  # staging directory -> its deferred DCP saves (async)
+        if self._background is not None:
+            self._accelerate_end_training = accelerator.end_training
+            accelerator.end_training = Routed(accelerator, "end_training", self)  # the save in flight finishes first
         self.verify_replicas = verify_replicas
         self.heartbeat = self._heartbeat()
         self._open: dict[Path, Staging] = {}
@@ -140,6 +151,7 @@ class ScalableCheckpointing:
     def begin(self, final_dir: str | os.PathLike) -> Path:
         """Every rank: open `final_dir` for writing; returns its staging directory (the same
         on every rank). Publish it with `commit`."""
+        self._before_a_save()
         opened = Staging(Path(final_dir), self._start_operation(), self.settings.publish)
         staging = opened.staging()
         self._open[staging] = opened
@@ -152,11 +164,24 @@ class ScalableCheckpointing:
         After publishing, rank 0 removes what earlier saves left beside it (`remove_leftovers`)."""
         staging = Path(staging)
         opened = self._open.pop(staging)
+        if self._background is None:
+            self._finish(staging, opened, [], self.group)
+        else:  # background.py, step 5's end: nothing of this save is left to the training thread
+            self._record.stalled = time.monotonic() - self._record.started
+            self._record.host_copy = self._background.copies.bytes
+            saves = self._pending.pop(staging, [])
+            self._background.start(lambda: self._finish(staging, opened, saves, self._background.group))
+        return opened.final
+
+    def _finish(self, staging: Path, opened: Staging, saves: list, group) -> None:
+        """The DCP saves deferred to now (async), the barrier and rank 0's publish, on `group`."""
         try:
-            self._barrier("every rank wrote")
+            if saves:
+                self._every_rank_agrees("save_state (background)", lambda: [save() for save in saves], group)
+            self._barrier("every rank wrote", group)
             save_root = None if self.settings.save_root is None else Path(self.settings.save_root)
             verdict = self._rank0_decides("publish", lambda: publish_and_tidy(staging, opened, save_root, self._horizon,
-                                                                              self._failed_tokens))
+                                                                              self._failed_tokens), group)
             if verdict != OK:
                 raise CheckpointAborted(f"{staging} was not published: {verdict}")
         except BaseException:
@@ -166,7 +191,6 @@ class ScalableCheckpointing:
         self.heartbeat.stop()
         if self.rank == 0:
             log.info(self._record.line("saved", opened.final))
-        return opened.final
 
     @contextlib.contextmanager
     def publishing(self, final_dir: str | os.PathLike):
@@ -209,14 +233,50 @@ class ScalableCheckpointing:
 
     def _save(self, opened: Staging, directory: Path, accelerate_kwargs: dict) -> None:
         def save():
-            with routed(self.group, self.verify_replicas, self._record, opened):
+            with routed(self.group, self.verify_replicas, self._record, opened, self._background):
                 self._accelerate_save_state(str(directory), **accelerate_kwargs)
-        self._every_rank_agrees("save_state", save)
+        try:
+            self._every_rank_agrees("save_state", save)
+        finally:  # async: what every rank staged waits for the commit; a failure anywhere drops it everywhere
+            if self._background is not None:
+                deferred = self._background.take_deferred()
+                if opened.staging() in self._open:
+                    self._pending.setdefault(opened.staging(), []).extend(deferred)
+
+    def _before_a_save(self) -> None:
+        """Every rank, before a save opens (background.py, steps 1-2): the save in flight settled;
+        before the first async save, room in host memory for the copy."""
+        self.wait()
+        if self._background is None or self._background.copies.bytes:
+            return
+        need, (free, source) = host_memory.state_bytes(self.accelerator), host_memory.free_bytes()
+
+        def check():
+            short = host_memory.shortfall(need, host_memory.ranks_on_node(), free, source)
+            if short:
+                raise CkptDoctorError(short)
+        self._every_rank_agrees("check host memory for the async copy", check)
+
+    def wait(self) -> None:
+        """Every rank: wait for the save in flight (async) to be published; raise its failure,
+        the same CheckpointAborted on every rank. Without a save in flight, returns at once."""
+        if self._background is None:
+            return
+        failure = self._background.settle()
+        if failure is not None:
+            raise aborted(f"the background save failed, nothing of it was published: {failure}",
+                          getattr(failure, "also", None)) from failure
+
+    def end_training(self, *args, **kwargs):
+        """Accelerate's end_training (it destroys the process groups), after the save in flight."""
+        self.wait()
+        return self._accelerate_end_training(*args, **kwargs)
 
     def load_state(self, input_dir: str | os.PathLike | None = None, **accelerate_kwargs) -> None:
         """Accelerate's load_state with the fix, from a complete checkpoint only (every rank
         must see it complete; rank 0 checks its data files and index first). Without
         `input_dir`, with Accelerate's automatic checkpoint naming: the newest complete one."""
+        self.wait()
         path = Path(input_dir) if input_dir is not None else self._newest_automatic()
         self._start_operation()
         try:
@@ -258,6 +318,7 @@ class ScalableCheckpointing:
         files whole: see `newest_loadable`), as rank 0 sees it; raises CheckpointAborted if any
         rank does not see it complete. `legacy`: whether a whole stock save (no marker) counts;
         by default yes when publishing by rename, no in place (there only marked steps count)."""
+        self.wait()
         legacy = self.settings.publish == "rename" if legacy is None else legacy
         choice = self._rank0_decides("find the latest checkpoint",
                                      lambda: str(newest_loadable(root, subdir, legacy) or ""))
@@ -325,13 +386,13 @@ class ScalableCheckpointing:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
-    def _rank0_decides(self, what: str, work):
+    def _rank0_decides(self, what: str, work, group=None):
         with self._step(what):
-            return rank0_decides(self.group, what, work)
+            return rank0_decides(self.group if group is None else group, what, work)
 
-    def _every_rank_agrees(self, what: str, work):
+    def _every_rank_agrees(self, what: str, work, group=None):
         with self._step(what):
-            return every_rank_agrees(self.group, what, work)
+            return every_rank_agrees(self.group if group is None else group, what, work)
 
     @contextlib.contextmanager
     def _aborting(self, staging: Path):
@@ -340,18 +401,19 @@ class ScalableCheckpointing:
             yield
         except BaseException:
             opened = self._open.pop(staging, None)
+            self._pending.pop(staging, None)
             if opened is not None:
                 self._failed_tokens.add(opened.token)
             self.heartbeat.stop(aborted=True)
             raise
 
-    def _barrier(self, what: str) -> None:
+    def _barrier(self, what: str, group=None) -> None:
         import torch.distributed as dist
 
         if self.group is None:
             return
         with self._step(what):
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.group if group is None else group)
 
     @contextlib.contextmanager
     def _step(self, what: str):

@@ -13,7 +13,9 @@ attributes with pass-throughs to torch's own functions that:
   files; a plain FileSystemWriter/Reader carries no state of its own, so its class is changed
   in place and its settings kept);
 * count every call and record each checkpoint's directory in the open publication, which
-  publish.py checks before it publishes (a save that bypassed the fix fails there).
+  publish.py checks before it publishes (a save that bypassed the fix fails there);
+* for an async save (background.py), copy the state into the host copy and defer the save to
+  the background thread, on the background's own group, instead of saving now.
 
 Both attributes are restored on exit, also on error. Checked on the versions in
 `compat.CHECKED`.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from pathlib import Path
 
 from .agreement import CheckpointAborted
@@ -32,14 +35,15 @@ from .storage import ScalableFileSystemReader, ScalableFileSystemWriter
 
 
 @contextlib.contextmanager
-def routed(group, verify_replicas: bool, record, opened=None):
+def routed(group, verify_replicas: bool, record, opened=None, background=None):
     """Every rank, around Accelerate's save_state/load_state: its dcp.save/load go through the
     fix on `group`; `record` (summary.OperationRecord) counts them; `opened` (publish.Staging)
-    receives each saved checkpoint's directory."""
+    receives each saved checkpoint's directory; with `background` (background.Background) each
+    save is staged and deferred to it."""
     import torch.distributed.checkpoint as dcp
 
     original_save, original_load = dcp.save, dcp.load
-    dcp.save = _routed_save(original_save, group, verify_replicas, record, opened)
+    dcp.save = _routed_save(original_save, group, verify_replicas, record, opened, background)
     dcp.load = _routed_load(original_load, group)
     try:
         yield
@@ -47,19 +51,35 @@ def routed(group, verify_replicas: bool, record, opened=None):
         dcp.save, dcp.load = original_save, original_load
 
 
-def _routed_save(original, group, verify: bool, record, opened):
+def _routed_save(original, group, verify: bool, record, opened, background):
     from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
     @functools.wraps(original)
     def save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None, process_group=None, **kwargs):
         _refuse_a_foreign_planner(planner, DefaultSavePlanner, ScalableSavePlanner, "save")
         storage_writer = _ours(storage_writer, FileSystemWriter, ScalableFileSystemWriter, checkpoint_id)
+        name = str(getattr(storage_writer, "path", checkpoint_id))
         if opened is not None:
-            opened.checkpoints.append(_relative(getattr(storage_writer, "path", checkpoint_id), opened))
-        kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group or group)
+            name = _relative(name, opened)
+            opened.checkpoints.append(name)
+        kwargs |= dict(checkpoint_id=checkpoint_id, storage_writer=storage_writer, process_group=process_group or group,
+                       planner=ScalableSavePlanner(verify_replicas=verify))
         # a save rank 0 cannot derive (ranks holding different keys) takes the owned path by the
         # planner's own agreement, with one warning: nothing to retry here
-        result = original(state_dict, planner=ScalableSavePlanner(verify_replicas=verify), **kwargs)
+        if background is not None:
+            kwargs["process_group"] = background.group
+            started = time.monotonic()
+            background.defer(name, _counted(original, record, storage_writer), state_dict, **kwargs)
+            record.add("host copy", time.monotonic() - started)
+            return None
+        return _counted(original, record, storage_writer)(state_dict, **kwargs)
+
+    return save
+
+
+def _counted(original, record, storage_writer):
+    def save(state_dict, **kwargs):
+        result = original(state_dict, **kwargs)
         record.checkpoints += 1
         record.bytes_written += getattr(storage_writer, "bytes_written", 0)  # rank 0's writer knows them all
         return result

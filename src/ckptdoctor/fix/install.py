@@ -86,7 +86,8 @@ def install(accelerator, **settings):
 
 
 class Routed:
-    """An Accelerator's save_state or load_state, routed through a ScalableCheckpointing.
+    """An Accelerator's save_state, load_state (or, with async saves, end_training), routed
+    through a ScalableCheckpointing.
 
     A copy of the Accelerator (pickle, deepcopy: Accelerate's own tests pickle one) does not take
     the checkpoint group along, which belongs to this process: in the copy the method is
@@ -96,9 +97,10 @@ class Routed:
         self.accelerator, self.name, self.ckpt = accelerator, name, ckpt
 
     def __call__(self, directory: str | os.PathLike | None = None, *args, **kwargs):
+        args = args if directory is None else (directory, *args)  # None is every method's default here
         if self.ckpt is None:
-            return getattr(type(self.accelerator), self.name)(self.accelerator, directory, *args, **kwargs)
-        result = getattr(self.ckpt, self.name)(directory, *args, **kwargs)
+            return getattr(type(self.accelerator), self.name)(self.accelerator, *args, **kwargs)
+        result = getattr(self.ckpt, self.name)(*args, **kwargs)
         return None if result is None else str(result)
 
     def __reduce__(self):

@@ -11,6 +11,9 @@
     CKPTDOCTOR_SAVE_ROOT         the directory holding the trainer's step directories: at startup,
                                  a step a dead save left incomplete there is set aside before the
                                  trainer looks for its newest step (publish.py) (default none)
+    CKPTDOCTOR_ASYNC             "1": save_state returns once the state is staged in host memory;
+                                 the write, the finish step and the publish run in the
+                                 background (background.py) (default 0: synchronous)
 
 A keyword given to `ScalableCheckpointing` (or `install`) wins over the environment. A value
 that cannot be used is refused at construction with one line naming the variable, before any
@@ -39,7 +42,9 @@ ON_LOST_RANK = ("exit", "log")
 HEARTBEAT = ("process", "thread")
 ENV = {"timeout_s": "CKPTDOCTOR_GROUP_TIMEOUT_S", "lost_rank_s": "CKPTDOCTOR_LOST_RANK_S",
        "on_lost_rank": "CKPTDOCTOR_ON_LOST_RANK", "heartbeat": "CKPTDOCTOR_HEARTBEAT",
-       "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH", "save_root": "CKPTDOCTOR_SAVE_ROOT"}
+       "log_level": "CKPTDOCTOR_LOG_LEVEL", "publish": "CKPTDOCTOR_PUBLISH", "save_root": "CKPTDOCTOR_SAVE_ROOT",
+       "async_save": "CKPTDOCTOR_ASYNC"}
+SWITCH = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 AGREED = tuple(knob for knob in ENV if knob != "log_level")
 
@@ -57,6 +62,7 @@ class Settings:
     log_level: str | None = None
     publish: str = "rename"
     save_root: str | None = None
+    async_save: bool = False
     sources: tuple[tuple[str, str], ...] = ()  # (knob, "keyword" | variable name) for each one not defaulted
 
     @classmethod
@@ -83,7 +89,7 @@ class Settings:
         given = ", ".join(f"{knob} from {where}" for knob, where in self.sources) or "all defaults"
         return (f"checkpoint group timeout {self.timeout_s:.0f} s, lost rank after {self.lost_rank_s:.0f} s "
                 f"-> {self.on_lost_rank}, heartbeat by {self.heartbeat}, publish by {self.publish}, "
-                f"save root {self.save_root or 'not given'} ({given})")
+                f"save root {self.save_root or 'not given'}, {'async' if self.async_save else 'synchronous'} saves ({given})")
 
     def values(self) -> dict:
         """The resolved knobs every rank must share (not where they came from)."""
@@ -107,6 +113,12 @@ def _checked(knob: str, value, where: str):
         return seconds
     if knob == "save_root":
         return os.path.abspath(os.fspath(value))
+    if knob == "async_save":
+        if isinstance(value, bool):
+            return value
+        if str(value).strip().lower() not in SWITCH:
+            raise BadSetting(f"{name}={value!r}: expected 1 or 0 (true or false)")
+        return SWITCH[str(value).strip().lower()]
     if knob in ("on_lost_rank", "heartbeat", "publish"):
         allowed = {"on_lost_rank": ON_LOST_RANK, "heartbeat": HEARTBEAT, "publish": PUBLISH}[knob]
         if value not in allowed:

@@ -28,6 +28,8 @@ class OperationRecord:
     phases: dict[str, float] = dataclasses.field(default_factory=dict)
     bytes_written: int = 0
     checkpoints: int = 0
+    stalled: float | None = None  # async saves: how long the training thread waited (background.py)
+    host_copy: int = 0            # async saves: bytes of this rank's host copy
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
@@ -36,7 +38,9 @@ class OperationRecord:
         total = time.monotonic() - self.started
         phases = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in self.phases.items() if seconds >= 0.05)
         written = f", {self.checkpoints} DCP checkpoint(s), {_size(self.bytes_written)}" if self.checkpoints else ""
-        return f"ckptdoctor: {verb} {path} in {total:.1f} s ({phases or 'no phase over 0.05 s'}){written}"
+        waited = "" if self.stalled is None else \
+            f"; in the background: training waited {self.stalled:.1f} s, host copy {_size(self.host_copy)} on rank 0"
+        return f"ckptdoctor: {verb} {path} in {total:.1f} s ({phases or 'no phase over 0.05 s'}){written}{waited}"
 
 
 def _size(n: int) -> str:
