@@ -53,6 +53,21 @@ def test_two_ranks_under_torchrun_from_the_users_directory_pass_every_check(tmp_
 
 
 @pytest.mark.slow
+def test_async_the_save_returns_with_a_host_copy_and_what_is_published_is_the_copy_not_the_zeroed_shards(tmp_path):
+    """`selftest --async`: the shards are zeroed as soon as save_state returns, while the background
+    writes; both loads must bring the saved checksums back."""
+    proc = torchrun(2, tmp_path, "--dir", "st", "--async", "--json", "report.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert verdicts(report) == dict.fromkeys(CHECKS, "PASS"), verdicts(report)
+    save = next(c for c in report["checks"] if c["name"] == "save (fix)")
+    # rank 0's copy: its half of the parameters and of AdamW's two moments, in fp32
+    assert save["values"]["host_copy_bytes"] == pytest.approx(12 * report["parameters"] / 2, rel=0.02)
+    assert save["detail"].startswith("training waited ") and "while the shards were zeroed" in save["detail"]
+    assert "save_state (background)" in save["values"]["phases_s"]
+
+
+@pytest.mark.slow
 def test_a_full_file_system_fails_the_save_on_every_rank_with_one_reason_and_every_rank_exits_1(tmp_path):
     """Real fault: a 30 MB tmpfs for a checkpoint of about 43 MB."""
     from ckptdoctor.repro.launcher import launch

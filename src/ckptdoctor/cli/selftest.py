@@ -42,6 +42,9 @@ def register(subparsers) -> None:
     parser.add_argument("--timeout", type=float, default=default(Options, "timeout_s"),
                         help="the process group's timeout in s (default %(default).0f)")
     parser.add_argument("--keep", action="store_true", help="keep the test's checkpoint directory")
+    parser.add_argument("--async", dest="async_save", action="store_true",
+                        help="save in the background (as async_save=True / CKPTDOCTOR_ASYNC=1): the check reports how "
+                             "long training waited for the host copy, and zeroes the shards while the write runs")
     parser.add_argument("--json", metavar="PATH", help="rank 0 writes the report here")
     parser.set_defaults(func=run)
 
@@ -52,7 +55,7 @@ def run(args) -> int:
     opts = Options(dir=args.dir, width=args.width, layers=args.layers, steps=args.steps,
                    offload=not args.no_offload, stock=args.stock, stock_deadline_s=args.stock_deadline,
                    job_ranks=args.job_ranks, expect_gb=args.expect_gb, visibility_s=args.visibility,
-                   backend=args.backend, timeout_s=args.timeout, keep=args.keep)
+                   backend=args.backend, timeout_s=args.timeout, keep=args.keep, async_save=args.async_save)
     status, report = run_selftest(opts, progress=lambda line: print(line, flush=True))
     if report is not None:
         print(format_report(report), flush=True)

@@ -80,18 +80,30 @@ def _local_bytes(tensor) -> bytes:
     return local.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def save_with_the_fix(ckpt, step_dir: Path) -> Check:
-    """Every rank: the save through the fix; its phases, and which torch can read what it wrote."""
+def save_with_the_fix(ckpt, step_dir: Path, in_flight: TrainedModel | None = None) -> Check:
+    """Every rank: the save through the fix; its phases, and which torch can read what it wrote.
+    With `in_flight` (an async save), that model's shards are zeroed as soon as save_state returns,
+    while the background writes: what is published must be the copy taken before."""
     from ..fix.index import read_metadata_file
     from ..fix.metadata_format import describe_format
 
     def work():
+        started = time.monotonic()
         ckpt.save_state(step_dir / "accelerator")
+        stalled, values, stall = time.monotonic() - started, {}, ""
+        if in_flight is not None:
+            in_flight.scramble()
+            ckpt.wait()
+            copy = ckpt.last_operation.host_copy
+            values = {"stalled_s": round(stalled, 3), "background_s": round(ckpt.last_operation.ended - started - stalled, 3),
+                      "host_copy_bytes": copy}
+            stall = (f"training waited {stalled:.2f} s for a {copy / 1e6:.1f} MB host copy, the rest ran in the "
+                     f"background while the shards were zeroed; ")
         phases = {name: round(s, 3) for name, s in ckpt.last_operation.phases.items()}
         slowest = ", ".join(f"{n} {s:.2f} s" for n, s in sorted(phases.items(), key=lambda x: -x[1])[:3])
         written = describe_format(read_metadata_file(step_dir / "accelerator" / "pytorch_model_fsdp_0"))
-        return True, f"published {step_dir / 'accelerator'} ({slowest}); {written}", {"phases_s": phases,
-                                                                                      "format": written}
+        return True, f"{stall}published {step_dir / 'accelerator'} ({slowest}); {written}", {
+            "phases_s": phases, "format": written, **values}
     return timed("save (fix)", work)
 
 

@@ -31,6 +31,7 @@ class Options:
     backend: str | None = None
     timeout_s: float = 1800.0
     keep: bool = False
+    async_save: bool = False         # the save in the background (fix/background.py)
 
     def __post_init__(self):
         for flag, value in (("width", self.width), ("layers", self.layers), ("steps", self.steps),
@@ -98,11 +99,11 @@ def _round_trip(job, opts, trained, root: Path, say) -> list[Check]:
     dist.barrier(group=group)  # its connections are made by now
     created = Check("checkpoint group", True, time.monotonic() - started,
                     f"a gloo group of {job.world_size} rank(s), timeout {timeout_s:.0f} s")
-    ckpt = ScalableCheckpointing(trained.accelerator, group=group)
+    ckpt = ScalableCheckpointing(trained.accelerator, group=group, async_save=opts.async_save)
     expected = trained.digest()
     step = root / "step-1"
-    say("  saving with the fix")
-    checks = [created, save_with_the_fix(ckpt, step)]
+    say("  saving with the fix" + (" in the background" if opts.async_save else ""))
+    checks = [created, save_with_the_fix(ckpt, step, trained if opts.async_save else None)]
     if not checks[-1].ok:
         return checks + [_skipped(n, "the save failed") for n in ("visible on every rank", "load (fix)", "load (stock)")]
     checks.append(visible(step / "accelerator", opts.visibility_s))
