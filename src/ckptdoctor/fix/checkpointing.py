@@ -189,6 +189,7 @@ class ScalableCheckpointing:
             self.heartbeat.stop(aborted=True)
             raise
         self.heartbeat.stop()
+        self._record.ended = time.monotonic()
         if self.rank == 0:
             log.info(self._record.line("saved", opened.final))
 

@@ -30,6 +30,7 @@ class OperationRecord:
     checkpoints: int = 0
     stalled: float | None = None  # async saves: how long the training thread waited (background.py)
     host_copy: int = 0            # async saves: bytes of this rank's host copy
+    ended: float | None = None    # when the save was published (time.monotonic())
 
     def add(self, phase: str, seconds: float) -> None:
         self.phases[phase] = self.phases.get(phase, 0.0) + seconds
