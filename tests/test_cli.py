@@ -102,6 +102,7 @@ def test_a_flag_takes_its_default_from_the_options_the_command_builds(command, f
     (("repro", "--attempts", "0"), "--attempts must be at least 1"),
     (("repro", "--ranks", "4"), "add --trainer lookalike"),
     (("repro", "--trainer", "lookalike", "--integration", "minimal"), "it needs --fix"),
+    (("repro", "--trainer", "lookalike", "--async"), "--async saves through the fix in the background: it needs --fix"),
     (("check", "--ranks", "8", "--warn-fraction", "2"), "--warn-fraction must be in (0, 1]"),
     (("check", "--ranks", "12", "--layout", "hsdp:8"), "not divisible by the shard group"),
     (("selftest", "--dir", "d", "--width", "3"), "--width must be even"),

@@ -36,6 +36,9 @@ def register(subparsers) -> None:
     parser.add_argument("--fix", action="store_true",
                         help="save with ScalableCheckpointing at the deadline that makes stock time out (the MOVA "
                              "trainer: with patches/mova-feat-npu.patch applied)")
+    parser.add_argument("--async", dest="async_save", action="store_true",
+                        help="with --fix: save in the background (CKPTDOCTOR_ASYNC=1); the report gives how long "
+                             "training waited per save")
     parser.add_argument("--integration", choices=("full", "minimal"), default=default(ReproOptions, "integration"),
                         help="with --fix on MOVA's trainer: full = patches/mova-feat-npu.patch (default); minimal = "
                              "`ckptdoctor integrate` (one call after accelerator.prepare)")
@@ -62,7 +65,7 @@ def run(args) -> int:
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, trainer=args.trainer, video_layers=args.layers,
                         output_dir=args.out, deadline_s=args.deadline, attempts=args.attempts,
                         offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract,
-                        integration=args.integration)
+                        integration=args.integration, async_save=args.async_save)
     writable_dir(args.out)
     json_path = args.json or str(opts.output_dir / ("fix-report.json" if args.fix else "report.json"))
     try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class ReproOptions:
     deadline_s: float | None = None     # None: chosen from the calibration run
     fix: bool = False
     integration: str = "full"           # with fix, on MOVA's trainer: "full" (the patch) or "minimal" (integrate)
+    async_save: bool = False            # with fix: saves in the background (CKPTDOCTOR_ASYNC=1, fix/background.py)
     offload_params: bool = True
     cp_size: int = 1
     attempts: int = 3
@@ -94,6 +96,8 @@ class ReproOptions:
             raise CkptDoctorError(f"unknown integration {self.integration!r}; expected 'full' or 'minimal'")
         if self.integration != "full" and not self.fix:
             raise CkptDoctorError("--integration chooses how the fix reaches MOVA's trainer: it needs --fix")
+        if self.async_save and not self.fix:
+            raise CkptDoctorError("--async saves through the fix in the background: it needs --fix")
         if self.cp_size > 1 and self.deadline_s is None:
             raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
 
@@ -148,7 +152,7 @@ def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, ti
     spec_path.write_text(spec.to_json())
     progress(f"  {name}: {opts.world_size} ranks, {opts.mode}, gloo deadline {deadline_s:.3f} s, log {root / 'job.log'}")
     job = launch(["-m", "ckptdoctor.repro.worker", str(spec_path)], opts.world_size, root / "job.log",
-                 timeout_s=opts.job_timeout_s)
+                 timeout_s=opts.job_timeout_s, env=async_env(opts, fix))
     ranks = []
     for rank in range(opts.world_size):
         path = root / "results" / f"rank{rank}.json"
@@ -158,6 +162,17 @@ def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, ti
 
 
 FIRST_SAVE = "step-1"  # the reproduction's MOVA job: its interval save, before "final"
+
+
+def background_stalls(log_path) -> list[float]:
+    """How long training waited at each async save, from rank 0's INFO lines (summary.py)."""
+    return [float(m) for m in re.findall(r"in the background: training waited (\d+(?:\.\d+)?) s",
+                                         Path(log_path).read_text(errors="replace"))]
+
+
+def async_env(opts: ReproOptions, fix: bool) -> dict:
+    """The job's environment for --async: the fix reads CKPTDOCTOR_ASYNC on every rank."""
+    return {"CKPTDOCTOR_ASYNC": "1"} if fix and opts.async_save else {}
 
 
 class MovaTrainer:
@@ -186,7 +201,7 @@ class MovaTrainer:
         # is three forward/backward passes shorter (about 25 s at 24 layers on 2 cores).
         run = MovaRun(mode=self.opts.mode, world_size=self.opts.world_size, video_layers=self.opts.layers,
                       max_steps=1, save_interval=1, gradient_accumulation_steps=1, roundtrip=fix,
-                      job_timeout_s=self.opts.job_timeout_s)
+                      job_timeout_s=self.opts.job_timeout_s, env=async_env(self.opts, fix))
         root = Path(self.opts.output_dir) / name
         out = run_mova(run, self.copies[integration], root, deadline_s, time_collectives=time_collectives, progress=progress)
         first = out.save_path / FIRST_SAVE
@@ -362,6 +377,8 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
         "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
         "save_ok": save_ok,
         "fixed": opts.fix and save_ok and bitexact is True,
+        "async_save": opts.async_save,
+        "background_stalls_s": background_stalls(outcome.log_path) if opts.async_save else None,
         "roundtrip_bitexact": bitexact,
         "roundtrip_differences": {r["rank"]: r.get("roundtrip_differences") for r in outcome.ranks
                                   if r.get("roundtrip_differences")} if opts.fix else None,
@@ -490,6 +507,10 @@ def format_report(report: dict) -> str:
                      f"{INTEGRATION_NAMES.get(report.get('integration'), '')}; the default "
                      f"group keeps the {report['deadline_ms']} ms deadline that made stock time out, saves run on a "
                      f"checkpoint group with its own timeout")
+        if report.get("async_save"):
+            stalls = ", ".join(f"{s:.1f} s" for s in report["background_stalls_s"] or []) or "none logged"
+            lines.append(f"  async: each save published in the background; training waited {stalls} "
+                         f"(rank 0's INFO lines)")
         lines.append(f"  saves completed on every rank: {report['save_ok']}" + (
             f"; state loaded back bit-identical to the state saved, on every rank: {report['roundtrip_bitexact']}"))
         if report.get("deadline_source"):

@@ -159,6 +159,7 @@ class MovaRun:
     resume_from: str | None = None
     fault: dict | None = None
     roundtrip: bool = False            # after training: resume from "final" in place and compare bit for bit
+    env: dict = dataclasses.field(default_factory=dict)  # more environment for the ranks (e.g. CKPTDOCTOR_ASYNC)
     job_timeout_s: float = 1200.0
 
     @property
@@ -234,7 +235,8 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     start = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"),
-                                                                              os.environ.get("PYTHONPATH")]))}
+                                                                              os.environ.get("PYTHONPATH")])),
+           **run.env}
     warm_first_imports(args[0], env)
     with open(log_path, "w") as log:
         try:

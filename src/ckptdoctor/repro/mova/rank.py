@@ -37,6 +37,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,9 +216,14 @@ def roundtrip_after_movas_training(outcome: dict) -> None:
     original = accelerate_trainer.AccelerateTrainer.train
 
     def train(self):
+        from ckptdoctor.fix.checkpointing import OWNER
+
         result = original(self)
         before = local_state(self.model, self.optimizer)
         scramble(self.model, self.optimizer)
+        owner = getattr(self.accelerator, OWNER, None)
+        if owner is not None:  # async: "final" may still be in flight; MOVA's own resume (at startup) asks latest()
+            owner.wait()
         self._resume_checkpoint(os.path.join(self.save_path, "final"))
         outcome["differences"] = differences(before, local_state(self.model, self.optimizer))
         return result
@@ -239,6 +245,7 @@ def arm_fault(fault: dict, rank: int, results_dir: str, probe) -> None:
             seen["n"] += 1
             if seen["n"] == fault.get("call", 1):
                 Path(results_dir, "fault_at").write_text(repr(time.time()))
+                Path(results_dir, "fault_thread").write_text(threading.current_thread().name)  # async: the background
                 if fault["kind"] == "sigstop":
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:
