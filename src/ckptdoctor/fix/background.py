@@ -83,6 +83,8 @@ class Background:
     def defer(self, name: str, save, state_dict, **kwargs) -> None:
         """Step 4, from the routed `dcp.save`: stage `state_dict` and keep the call for step 6."""
         self.deferred.append(functools.partial(save, self.copies.stage(name, state_dict), **kwargs))
+        log.debug("ckptdoctor: staged %s: %d tensor(s), %d bytes held in all", name, self.copies.tensors(name),
+                  self.copies.bytes)
 
     def take_deferred(self) -> list:
         taken, self.deferred = self.deferred, []

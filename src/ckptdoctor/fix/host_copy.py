@@ -34,6 +34,9 @@ class HostCopies:
             self._copies[name] = shape, _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
         return _copy_state_dict(state_dict, self._copies[name][1], type_check=False)
 
+    def tensors(self, name: str) -> int:
+        return len(self._copies[name][0]) if name in self._copies else 0
+
     @property
     def bytes(self) -> int:
         return sum(size for shape, _ in self._copies.values() for *_, size in shape)
