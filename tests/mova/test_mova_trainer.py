@@ -232,6 +232,35 @@ def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resu
     assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]
 
 
+def test_async_a_rank_killed_in_a_background_save_leaves_step_4_and_the_restart_repeats_the_losses(
+        mova_copies, straight, tmp_path, monkeypatch):
+    """The full patch with CKPTDOCTOR_ASYNC=1 (every rank reads it): step-4 is saved in the
+    background and published; rank 3 dies (exit) in step-8's optimizer save, on its background
+    thread, and torchrun tears the job down. Nothing of step-8 is published; the restart, async
+    too, resumes step-4 through MOVA's own scan and `_resume_checkpoint`, repeats the uninterrupted
+    losses, and its own saves (step-8, final) are published at the end of the process."""
+    monkeypatch.setenv("CKPTDOCTOR_ASYNC", "1")
+    save_path = tmp_path / "checkpoints"
+    fault = {"kind": "exit", "rank": 3, "save": "optimizer_0", "call": 2}  # step-8's optimizer save
+    killed = mova_job(mova_copies["patched"], tmp_path / "killed", "sft", 8, save_path=save_path, fault=fault)
+    assert killed.returncode != 0
+    assert (killed.log_path.parent / "results" / "fault_thread").read_text().startswith("ckptdoctor-save")
+    log = killed.log_path.read_text()
+    assert log.count("in the background: training waited") == 1 and "async saves" in log  # step-4's
+    assert find_latest(save_path) == save_path / "step-4" and is_complete(save_path / "step-4")
+    assert not (save_path / "step-8").exists() and [p.name.startswith("step-8" + INCOMPLETE)
+                                                     for p in save_path.iterdir() if "step-8" in p.name] == [True]
+    resumed = mova_job(mova_copies["patched"], tmp_path / "resumed", "sft", 8, save_path=save_path)
+    assert resumed.returncode == 0, resumed.log_path.read_text()[-3000:]
+    log = resumed.log_path.read_text()
+    assert "[Resume] Loaded from " + str(save_path / "step-4") + ", step=4" in log
+    assert per_rank(resumed, "losses") == [losses[4:] for losses in per_rank(straight["sft"], "losses")]
+    assert per_rank(resumed, "rng_digests") == [d[4:] for d in per_rank(straight["sft"], "rng_digests")]
+    assert log.count("in the background: training waited") == 2  # step-8 and final, published at exit
+    assert is_complete(save_path / "step-8") and is_complete(save_path / "final")
+    assert not [p for p in save_path.iterdir() if INCOMPLETE in p.name]  # the next commit removed the dead one
+
+
 @pytest.fixture(scope="module")
 def level1_killed(mova_copies, tmp_path_factory):
     """Level 1 (install), a rank killed in step-8's optimizer save, run once per mode: the
