@@ -4,9 +4,9 @@
 registry at run time, its sha256 pinned in support/accelerate_suite.py), run in one process as
 Accelerate runs it, stock and with `import ckptdoctor.auto` (so `install` follows every
 `prepare`): without a process group, and inside a one-rank gloo group. Each stack runs its own
-Accelerate and one more release the gate accepts, installed over it for the run (the user stack's
-torch 2.8.0 with Accelerate 1.14.0, the newest stack's torch 2.15.0 with 1.15.0), so that every
-release from 1.13.0 to 1.16.0 is run by CI. The larger selection (`tests/test_accelerator.py`
+Accelerate both ways, and one more release the gate accepts inside the group, installed over it
+for the run (the user stack's torch 2.8.0 with Accelerate 1.14.0, the newest stack's torch 2.15.0
+with 1.15.0), so that every release from 1.13.0 to 1.16.0 is run by CI. The larger selection (`tests/test_accelerator.py`
 too) is `benchmarks/accelerate_tests.py`."""
 
 import sys
@@ -20,7 +20,10 @@ from support import accelerate_suite as suite
 FILES = ["tests/test_state_checkpointing.py"]
 OTHER_RELEASE = {USER.torch: "1.14.0", NEWEST.torch: "1.15.0"}  # torch -> the extra Accelerate it runs
 TORCH, INSTALLED = installed_versions()
-VERSIONS = [INSTALLED] + [OTHER_RELEASE[TORCH]] * (TORCH in OTHER_RELEASE)
+# (release, inside a one-rank gloo group): the stack's own release both ways; the other release in
+# the group, the mode where the fix's machinery (checkpoint group, agreement) runs. Both modes of
+# every release: benchmarks/accelerate_tests.py
+CASES = [(INSTALLED, False), (INSTALLED, True)] + [(OTHER_RELEASE[TORCH], True)] * (TORCH in OTHER_RELEASE)
 pytestmark = pytest.mark.slow
 
 
@@ -42,8 +45,8 @@ def sources(tmp_path_factory):
     return source
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["no-process-group", "one-rank-gloo-group"])
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(("version", "group"), CASES,
+                         ids=[f"{v}-{'one-rank-gloo-group' if g else 'no-process-group'}" for v, g in CASES])
 def test_accelerates_checkpointing_tests_pass_with_the_fix_wherever_they_pass_stock(sources, version, group):
     assert within(version, "accelerate")  # a release the gate accepts: the fix runs, it is not refused
     root, scratch, over = sources(version)
