@@ -4,6 +4,7 @@ a save is written from its host copy, every later checkpoint call and the proces
 it, and a background failure is the same CheckpointAborted on every rank at the next call."""
 
 import json
+import re
 import signal
 import subprocess
 import uuid
@@ -70,9 +71,12 @@ def test_a_save_that_fails_in_the_background_is_the_same_error_on_every_rank_at_
     assert {r["error_type"] for r in reports.values()} == {"CheckpointAborted"}, reports
     assert len({r["error"] for r in reports.values()}) == 1, [r["error"] for r in reports.values()]
     error = reports[0]["error"]
-    # every rank's write failed (torch's zip writer reports ENOSPC as errno 28 or as a short write)
-    assert error.startswith("the background save failed, nothing of it was published: checkpoint aborted at "
-                            "'save_state (background)': rank(s) 0-3: in DCP on rank(s) 0-3: "), error
+    # every rank aborts with one reason. Which ranks' writes fail in DCP is a race on the shared
+    # tmpfs (a rank's file can land whole before another's fills it; CI saw 0-2 once): at least one.
+    # Torch's writer says ENOSPC, or, when the zip writer's short write hits first, "unexpected pos".
+    assert re.match(r"the background save failed, nothing of it was published: checkpoint aborted at "
+                    r"'save_state \(background\)': rank\(s\) 0-3: in DCP on rank\(s\) [0-3][-,0-3]*: ", error), error
+    assert "No space left on device" in error or "unexpected pos" in error, error
     assert {r["latest"] for r in reports.values()} == {str(out / "ckpt" / "step-1")} and latest == out / "ckpt" / "step-1"
     assert incomplete and all(name.startswith("step-2" + INCOMPLETE) for name in incomplete)
 
