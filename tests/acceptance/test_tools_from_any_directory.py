@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 
+from ckptdoctor.check.units import fmt_b
 from ckptdoctor.repro.stacks import NEWEST, USER, installed_versions
 
 from support.commands import CKPTDOCTOR, run
@@ -71,10 +72,16 @@ def test_check_warns_names_the_fix_and_writes_a_relative_json(cwd, torch_version
     # from the checkout root the stack is named; elsewhere no --torch: the torch installed here, as in an image
     named = ["--torch", torch_version] if where == REPO else []
     proc = run([CKPTDOCTOR, "check", "--ranks", "16", "--layout", "hsdp:8", "--mode", "lora", *named,
-                "--deadline", "1", "--warn-fraction", "0.1", "--json", str(out / "check.json")], where)
+                "--deadline", "1", "--warn-fraction", "0.1", "--async", "--json", str(out / "check.json")], where)
     assert proc.returncode == 3, proc.stderr
     result = json.loads((where / out / "check.json").read_text())
     assert result["torch"] == torch_version
+    # --async: rank 0's host copy at 16 ranks, sharded over 8; a node of 8 ranks needs far more than this host has
+    copy = result["host_copy"]
+    assert copy["per_rank_bytes"] == sum(s["total"] for s in copy["saves"]) and copy["ranks_per_node"] == 8
+    assert copy["per_node_bytes"] == 8 * copy["per_rank_bytes"] > copy["free_bytes"]
+    assert any(w.startswith("async save: a node of 8 rank(s) needs ") for w in result["warnings"])
+    assert f"per node of 8 rank(s) {fmt_b(copy['per_node_bytes'])}; this host has" in proc.stdout
     assert {(r["planner"], r["save"]) for r in result["records"]} == {(p, s) for p in ("stock", "ours")
                                                                        for s in ("model", "optimizer")}
     assert any("optimizer save" in w and "ScalableSavePlanner" in w for w in result["warnings"])

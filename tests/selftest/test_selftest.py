@@ -56,13 +56,24 @@ def test_two_ranks_under_torchrun_from_the_users_directory_pass_every_check(tmp_
 def test_async_the_save_returns_with_a_host_copy_and_what_is_published_is_the_copy_not_the_zeroed_shards(tmp_path):
     """`selftest --async`: the shards are zeroed as soon as save_state returns, while the background
     writes; both loads must bring the saved checksums back."""
-    proc = torchrun(2, tmp_path, "--dir", "st", "--async", "--json", "report.json")
+    from ckptdoctor.check.host_copy_model import host_copies
+    from ckptdoctor.check.jobs import Workload
+    from ckptdoctor.check.layout import Layout
+    from ckptdoctor.check.state_dicts import find_checkpoints
+
+    proc = torchrun(2, tmp_path, "--dir", "st", "--async", "--json", "report.json", "--keep")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "report.json").read_text())
     assert verdicts(report) == dict.fromkeys(CHECKS, "PASS"), verdicts(report)
     save = next(c for c in report["checks"] if c["name"] == "save (fix)")
-    # rank 0's copy: its half of the parameters and of AdamW's two moments, in fp32
-    assert save["values"]["host_copy_bytes"] == pytest.approx(12 * report["parameters"] / 2, rel=0.02)
+    # rank 0's copy: its half of the parameters and of AdamW's two moments, in fp32 ...
+    copied = save["values"]["host_copy_bytes"]
+    assert copied == pytest.approx(12 * report["parameters"] / 2, rel=0.02)
+    # ... byte for byte what `check --async`'s model counts from the checkpoint it wrote, at 2 ranks
+    written = next(tmp_path.glob("st/**/optimizer_0/.metadata")).parent.parent
+    checkpoints = {name: str(path) for name, path in find_checkpoints(written)}
+    workload = Workload(ranks=[2], layouts=[Layout.parse("fsdp")], saves=tuple(checkpoints), checkpoints=checkpoints)
+    assert sum(c.total for c in host_copies(workload, Layout.parse("fsdp"), 2)) == copied
     assert save["detail"].startswith("training waited ") and "while the shards were zeroed" in save["detail"]
     assert "save_state (background)" in save["values"]["phases_s"]
 

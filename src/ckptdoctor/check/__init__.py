@@ -9,5 +9,6 @@ save at N ranks, stock and fixed, on torch's own planner code (product: no lab n
 * ``jobs``: how a model runs one measurement in the interpreter it measures (the job kinds);
 * ``save_model``, ``load_model``: the measurements at small N and the fits beyond (``fits``),
   for a save and for a resume (``check --load``); ``units`` writes their tables;
+* ``host_copy_model``: what an async save stages on each rank at N (``check --async``): counted, not measured;
 * ``preflight``: the check itself, its warnings.
 """

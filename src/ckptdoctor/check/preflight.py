@@ -10,7 +10,7 @@ import dataclasses
 from ..errors import CkptDoctorError
 from .save_model import DEADLINE_S, ScalingOptions, build_records, measure_all
 from .layout import Layout
-from .units import fmt_s
+from .units import fmt_b, fmt_s
 
 # benchmarks/extrapolation_error.py, docs/evidence/extrapolation_n256_user.txt (torch 2.8.0, MOVA sft, fsdp):
 # stock planning extrapolated from N <= 16 read 0.70x (model) and 0.87x (optimizer) of a direct
@@ -31,6 +31,8 @@ class CheckOptions:
     checkpoint: str | None = None     # a DCP checkpoint's directory, predicted instead of MOVA's saves
     torch_version: str | None = None  # the job's torch, checked against this interpreter's
     load: bool = False                # also predict the resume
+    async_save: bool = False          # also predict an async save's host copy (host_copy_model.py)
+    ranks_per_node: int = 8
     deadline_s: float = DEADLINE_S
     warn_fraction: float = 0.5
 
@@ -40,6 +42,8 @@ class CheckOptions:
         if isinstance(self.layout, str):
             self.layout = Layout.parse(self.layout)
         self.layout.check(self.ranks)
+        if self.ranks_per_node < 1:
+            raise CkptDoctorError(f"--ranks-per-node must be at least 1, got {self.ranks_per_node}")
 
 
 def run_check(opts: CheckOptions, progress=print) -> dict:
@@ -70,9 +74,27 @@ def run_check(opts: CheckOptions, progress=print) -> dict:
                  f"deadline) with stock load_state; ScalableCheckpointing.load_state: about "
                  f"{fmt_s(r['ours']['read_s'] + r['ours']['rank0_exchange_s'])}"
                  for r in load_records if _stock_load_s(r) >= warn_fraction * deadline_s]
+    host_copy = _predict_host_copy(opts, saves, ours) if opts.async_save else None
+    if host_copy and host_copy["per_node_bytes"] > host_copy["free_bytes"]:
+        warnings.append(f"async save: a node of {host_copy['ranks_per_node']} rank(s) needs "
+                        f"{fmt_b(host_copy['per_node_bytes'])} of host memory for the copy and this host has "
+                        f"{fmt_b(host_copy['free_bytes'])} free ({host_copy['free_source']}): the first async save "
+                        f"would be refused here; save synchronously or free host memory")
     return {"ranks": ranks, "layout": str(layout), "mode": "checkpoint" if checkpoint else mode,
             "checkpoint": checkpoint, "torch": installed, "deadline_s": deadline_s, "warn_fraction": warn_fraction,
-            "records": records, "load_records": load_records, "warnings": warnings, "notes": notes}
+            "records": records, "load_records": load_records, "host_copy": host_copy, "warnings": warnings,
+            "notes": notes}
+
+
+def _predict_host_copy(opts: CheckOptions, saves: ScalingOptions, ours: dict[str, float]) -> dict:
+    """Rank 0's host copy of an async save at N (host_copy_model.py), beside this host's free
+    memory and rank 0's planning with the fix, which moves to the background."""
+    from ..fix.host_memory import free_bytes
+    from .host_copy_model import predict
+
+    free, source = free_bytes()
+    return predict(saves, opts.layout, opts.ranks, opts.ranks_per_node) | {
+        "free_bytes": free, "free_source": source, "background_planning_s": ours}
 
 
 def _predict_loads(ranks: int, layout: Layout, saves: ScalingOptions, progress) -> list[dict]:
