@@ -81,7 +81,7 @@ def test_check_warns_names_the_fix_and_writes_a_relative_json(cwd, torch_version
     assert copy["per_rank_bytes"] == sum(s["total"] for s in copy["saves"]) and copy["ranks_per_node"] == 8
     assert copy["per_node_bytes"] == 8 * copy["per_rank_bytes"] > copy["free_bytes"]
     assert any(w.startswith("async save: a node of 8 rank(s) needs ") for w in result["warnings"])
-    assert f"per node of 8 rank(s) {fmt_b(copy['per_node_bytes'])}; this host has" in proc.stdout
+    assert f"per node of 8 rank(s) {fmt_b(copy['per_node_bytes'], 3)}; this host has" in proc.stdout
     assert {(r["planner"], r["save"]) for r in result["records"]} == {(p, s) for p in ("stock", "ours")
                                                                        for s in ("model", "optimizer")}
     assert any("optimizer save" in w and "ScalableSavePlanner" in w for w in result["warnings"])

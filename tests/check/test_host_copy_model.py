@@ -47,8 +47,9 @@ def test_the_record_scales_per_node_and_its_stall_range_by_the_rate(specs_worklo
     assert record["per_rank_bytes"] == per_rank
     assert record["ranks_per_node"] == 4 and record["per_node_bytes"] == 4 * per_rank  # 4 ranks: one node
     assert record["stall_copy_s"] == [per_rank / 10.0, 4 * per_rank / 10.0]
-    lines = format_lines(record, {"model": 0.5, "optimizer": 1.5}, (2000, "MemAvailable"))
+    lines = format_lines(record, {"model": 0.5, "optimizer": 1.5}, {"model": 2.0, "optimizer": 3.0},
+                         (2000, "MemAvailable"))
     assert lines[1].split() == ["model", "54", "B", "(44", "B", "its", "shards,", "10", "B", "replicated", "on",
                                 "every", "rank)"]
     assert "per rank 130 B, per node of 4 rank(s) 520 B; this host has 2 KB free (MemAvailable)" in lines[3]
-    assert "(model + optimizer: 0.50 s + 1.50 s)" in lines[5]
+    assert lines[5].endswith("(model + optimizer: 0.50 s + 1.50 s), the write, and rank 0's finish (2.00 s + 3.00 s)")

@@ -139,21 +139,23 @@ def predict(workload: Workload, layout: Layout, ranks: int, ranks_per_node: int,
             "stall_copy_s": [per_rank / rate, per_node / rate]}
 
 
-def format_lines(record: dict, background_s: dict[str, float], free: tuple[int, str] | None) -> list[str]:
+def format_lines(record: dict, planning_s: dict[str, float], finish_s: dict[str, float],
+                 free: tuple[int, str] | None) -> list[str]:
     """The lines `check --async` prints under its table: the copy, its time, what moves to the background."""
     nodes = record["ranks_per_node"]
     lines = [f"async save (async_save=True) at N={record['ranks']} ({record['layout']}): rank 0's host copy"]
     for c in record["saves"]:
-        lines.append(f"  {c['save']:<22} {fmt_b(c['total']):>8}  ({fmt_b(c['sharded'])} its shards, "
-                     f"{fmt_b(c['replicated'])} replicated on every rank)")
-    lines.append(f"  per rank {fmt_b(record['per_rank_bytes'])}, per node of {nodes} rank(s) "
-                 f"{fmt_b(record['per_node_bytes'])}" + (f"; this host has {fmt_b(free[0])} free ({free[1]})"
+        lines.append(f"  {c['save']:<22} {fmt_b(c['total'], 3):>8}  ({fmt_b(c['sharded'], 3)} its shards, "
+                     f"{fmt_b(c['replicated'], 3)} replicated on every rank)")
+    lines.append(f"  per rank {fmt_b(record['per_rank_bytes'], 3)}, per node of {nodes} rank(s) "
+                 f"{fmt_b(record['per_node_bytes'], 3)}" + (f"; this host has {fmt_b(free[0], 3)} free ({free[1]})"
                                                          if free else ""))
     low, high = record["stall_copy_s"]
     lines.append(f"  training waits for the copy: {fmt_s(low)} to {fmt_s(high)} at this host's one-thread copy rate "
-                 f"({fmt_b(record['copy_rate_bytes_per_s'])}/s; the node's copies in parallel to one after another), "
+                 f"({fmt_b(record['copy_rate_bytes_per_s'], 3)}/s; the node's copies in parallel to one after another), "
                  f"plus the first save's allocation and three small collectives (not modelled)")
-    planning = " + ".join(fmt_s(s) for s in background_s.values())
-    lines.append(f"  in the background: rank 0's planning with the fix ({' + '.join(background_s)}: {planning}), "
-                 f"the write and the finish")
+    saves = " + ".join(planning_s)
+    lines.append(f"  in the background: rank 0's planning with the fix ({saves}: "
+                 f"{' + '.join(fmt_s(s) for s in planning_s.values())}), the write, and rank 0's finish "
+                 f"({' + '.join(fmt_s(s) for s in finish_s.values())})")
     return lines

@@ -74,11 +74,12 @@ def run_check(opts: CheckOptions, progress=print) -> dict:
                  f"deadline) with stock load_state; ScalableCheckpointing.load_state: about "
                  f"{fmt_s(r['ours']['read_s'] + r['ours']['rank0_exchange_s'])}"
                  for r in load_records if _stock_load_s(r) >= warn_fraction * deadline_s]
-    host_copy = _predict_host_copy(opts, saves, ours) if opts.async_save else None
+    finish = {r["save"]: r["finish_s"] for r in records if r["planner"] == "ours"}
+    host_copy = _predict_host_copy(opts, saves, ours, finish) if opts.async_save else None
     if host_copy and host_copy["per_node_bytes"] > host_copy["free_bytes"]:
         warnings.append(f"async save: a node of {host_copy['ranks_per_node']} rank(s) needs "
-                        f"{fmt_b(host_copy['per_node_bytes'])} of host memory for the copy and this host has "
-                        f"{fmt_b(host_copy['free_bytes'])} free ({host_copy['free_source']}): the first async save "
+                        f"{fmt_b(host_copy['per_node_bytes'], 3)} of host memory for the copy and this host has "
+                        f"{fmt_b(host_copy['free_bytes'], 3)} free ({host_copy['free_source']}): the first async save "
                         f"would be refused here; save synchronously or free host memory")
     return {"ranks": ranks, "layout": str(layout), "mode": "checkpoint" if checkpoint else mode,
             "checkpoint": checkpoint, "torch": installed, "deadline_s": deadline_s, "warn_fraction": warn_fraction,
@@ -86,15 +87,16 @@ def run_check(opts: CheckOptions, progress=print) -> dict:
             "notes": notes}
 
 
-def _predict_host_copy(opts: CheckOptions, saves: ScalingOptions, ours: dict[str, float]) -> dict:
+def _predict_host_copy(opts: CheckOptions, saves: ScalingOptions, ours: dict[str, float],
+                       finish: dict[str, float]) -> dict:
     """Rank 0's host copy of an async save at N (host_copy_model.py), beside this host's free
-    memory and rank 0's planning with the fix, which moves to the background."""
+    memory and rank 0's planning and finish with the fix, which move to the background."""
     from ..fix.host_memory import free_bytes
     from .host_copy_model import predict
 
     free, source = free_bytes()
     return predict(saves, opts.layout, opts.ranks, opts.ranks_per_node) | {
-        "free_bytes": free, "free_source": source, "background_planning_s": ours}
+        "free_bytes": free, "free_source": source, "background_planning_s": ours, "background_finish_s": finish}
 
 
 def _predict_loads(ranks: int, layout: Layout, saves: ScalingOptions, progress) -> list[dict]:

@@ -63,7 +63,8 @@ def run(args) -> int:
         from ..check.host_copy_model import format_lines
 
         copy = result["host_copy"]
-        print("\n".join(format_lines(copy, copy["background_planning_s"], (copy["free_bytes"], copy["free_source"]))))
+        print("\n".join(format_lines(copy, copy["background_planning_s"], copy["background_finish_s"],
+                                  (copy["free_bytes"], copy["free_source"]))))
     for line in result["notes"]:
         print(f"note: {line}")
     for line in result["warnings"]:
