@@ -69,7 +69,8 @@ def host_copies(workload: Workload, layout: Layout, ranks: int) -> list[HostCopy
     for save in workload.saves:
         source = workload.source(save)
         key = json.dumps(source, sort_keys=True)
-        specs[key] = specs[key] if key in specs else job_specs(source)
+        if key not in specs:  # MOVA's two saves share one set of parameter specs: built once
+            specs[key] = job_specs(source)
         copy = _entries_copy if isinstance(specs[key], CheckpointEntries) else _specs_copy
         copies.append(copy(specs[key], save, shard))
     return copies
@@ -92,13 +93,11 @@ def _specs_copy(specs: ParameterSpecs, save: str, shard: int) -> HostCopy:
 
 
 def _entries_copy(entries: CheckpointEntries, save: str, shard: int) -> HostCopy:
-    import torch
-
     sharded = replicated = 0
     for entry in entries:
         if entry.size is None:
             continue  # a pickled Python value: not in the tensor copy
-        item = getattr(torch, entry.dtype.rpartition(".")[2]).itemsize
+        item = entry.torch_dtype().itemsize
         if entry.sharded:
             sharded += item * rank0_share(entry.size, shard)
         else:

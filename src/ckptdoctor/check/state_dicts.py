@@ -101,6 +101,12 @@ class Entry:
     dtype: str | None
     sharded: bool
 
+    def torch_dtype(self):
+        """The torch dtype the `.metadata` names ("torch.float32" -> torch.float32)."""
+        import torch
+
+        return getattr(torch, self.dtype.rpartition(".")[2])
+
 
 class CheckpointEntries(list):
     """The entries of one DCP checkpoint, saved again at another world size: a tensor the
@@ -113,7 +119,7 @@ class CheckpointEntries(list):
         def value(entry):
             if entry.size is None:
                 return 0  # the value is pickled when written, never while planning
-            dtype = getattr(torch, entry.dtype.rpartition(".")[2])
+            dtype = entry.torch_dtype()
             if entry.sharded:
                 return _meta_dtensor(entry.size, mesh, layout.placements(), dtype)
             return torch.empty(entry.size, dtype=dtype, device="meta")
