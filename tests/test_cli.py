@@ -103,6 +103,8 @@ def test_a_flag_takes_its_default_from_the_options_the_command_builds(command, f
     (("repro", "--ranks", "4"), "add --trainer lookalike"),
     (("repro", "--trainer", "lookalike", "--integration", "minimal"), "it needs --fix"),
     (("repro", "--trainer", "lookalike", "--async"), "--async saves through the fix in the background: it needs --fix"),
+    (("repro", "--trainer", "lookalike", "--no-roundtrip"), "--no-roundtrip skips loading the fixed job's checkpoint "
+                                                            "back: it needs --fix"),
     (("check", "--ranks", "8", "--warn-fraction", "2"), "--warn-fraction must be in (0, 1]"),
     (("check", "--ranks", "12", "--layout", "hsdp:8"), "not divisible by the shard group"),
     (("selftest", "--dir", "d", "--width", "3"), "--width must be even"),

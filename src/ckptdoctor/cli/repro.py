@@ -39,6 +39,9 @@ def register(subparsers) -> None:
     parser.add_argument("--async", dest="async_save", action="store_true",
                         help="with --fix: save in the background (CKPTDOCTOR_ASYNC=1); the report gives how long "
                              "training waited per save")
+    parser.add_argument("--no-roundtrip", action="store_true",
+                        help="with --fix: save only, do not load the checkpoint back and compare it (the load runs "
+                             "FSDP's own collectives at the short deadline, which the fix does not move)")
     parser.add_argument("--integration", choices=("full", "minimal"), default=default(ReproOptions, "integration"),
                         help="with --fix on MOVA's trainer: full = patches/mova-feat-npu.patch (default); minimal = "
                              "`ckptdoctor integrate` (one call after accelerator.prepare)")
@@ -65,7 +68,8 @@ def run(args) -> int:
     opts = ReproOptions(world_size=args.ranks, mode=args.mode, trainer=args.trainer, video_layers=args.layers,
                         output_dir=args.out, deadline_s=args.deadline, attempts=args.attempts,
                         offload_params=not args.no_offload, cp_size=args.cp, fix=args.fix, extract=args.extract,
-                        integration=args.integration, async_save=args.async_save)
+                        integration=args.integration, async_save=args.async_save,
+                        roundtrip=not args.no_roundtrip)
     writable_dir(args.out)
     json_path = args.json or str(opts.output_dir / ("fix-report.json" if args.fix else "report.json"))
     try:

@@ -63,6 +63,7 @@ class ReproOptions:
     fix: bool = False
     integration: str = "full"           # with fix, on MOVA's trainer: "full" (the patch) or "minimal" (integrate)
     async_save: bool = False            # with fix: saves in the background (CKPTDOCTOR_ASYNC=1, fix/background.py)
+    roundtrip: bool = True              # with fix: load the checkpoint back in place and compare bit for bit
     offload_params: bool = True
     cp_size: int = 1
     attempts: int = 3
@@ -98,6 +99,8 @@ class ReproOptions:
             raise CkptDoctorError("--integration chooses how the fix reaches MOVA's trainer: it needs --fix")
         if self.async_save and not self.fix:
             raise CkptDoctorError("--async saves through the fix in the background: it needs --fix")
+        if not self.roundtrip and not self.fix:
+            raise CkptDoctorError("--no-roundtrip skips loading the fixed job's checkpoint back: it needs --fix")
         if self.cp_size > 1 and self.deadline_s is None:
             raise CkptDoctorError("--cp > 1 puts training on the default group, so it needs an explicit long --deadline")
 
@@ -147,6 +150,7 @@ def run_job(opts: ReproOptions, name: str, deadline_s: float, progress=print, ti
     (root / "results").mkdir(parents=True)
     spec = WorkerSpec(opts.training_config(max_steps=saves), opts.shape(), str(root / "checkpoints"),
                       str(root / "results"), checkpoint_deadline_s=deadline_s, fix=fix,
+                      roundtrip=fix and opts.roundtrip,
                       time_collectives=time_collectives)
     spec_path = root / "spec.json"
     spec_path.write_text(spec.to_json())
@@ -200,7 +204,8 @@ class MovaTrainer:
         # step; the saves are the same (parameters and optimizer state after one step), and each job
         # is three forward/backward passes shorter (about 25 s at 24 layers on 2 cores).
         run = MovaRun(mode=self.opts.mode, world_size=self.opts.world_size, video_layers=self.opts.layers,
-                      max_steps=1, save_interval=1, gradient_accumulation_steps=1, roundtrip=fix,
+                      max_steps=1, save_interval=1, gradient_accumulation_steps=1,
+                      roundtrip=fix and self.opts.roundtrip,
                       job_timeout_s=self.opts.job_timeout_s, env=async_env(self.opts, fix))
         root = Path(self.opts.output_dir) / name
         out = run_mova(run, self.copies[integration], root, deadline_s, time_collectives=time_collectives, progress=progress)
@@ -367,7 +372,8 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
     model_ok, optim_ok = save_completed(outcome, MODEL_SAVE), save_completed(outcome, OPTIMIZER_SAVE)
     expected_call = CALL_OF_SAVE[choice.target_save]
     save_ok = model_ok and optim_ok and all(r.get("status") == "ok" for r in outcome.ranks)
-    bitexact = all(r.get("roundtrip_differences") == [] for r in outcome.ranks) if opts.fix else None
+    checked = opts.fix and opts.roundtrip
+    bitexact = all(r.get("roundtrip_differences") == [] for r in outcome.ranks) if checked else None
     reproduced = bool(failing) and point.phase == "plan-scatter" and point.waiting_call == "broadcast" \
         and point.accelerate_call == expected_call and model_ok == (expected_call == "save_fsdp_optimizer")
     return {
@@ -376,12 +382,12 @@ def build_report(opts: ReproOptions, outcome: JobOutcome, choice: DeadlineChoice
         "integration": opts.integration if opts.fix and opts.trainer == "mova" else None,
         "checkpoint_group_timeout_ms": round(choice.deadline_s * 1000 * CHECKPOINT_TIMEOUT_FACTOR) if opts.fix else None,
         "save_ok": save_ok,
-        "fixed": opts.fix and save_ok and bitexact is True,
+        "fixed": opts.fix and save_ok and bitexact is not False,
         "async_save": opts.async_save,
         "background_stalls_s": background_stalls(outcome.log_path) if opts.async_save else None,
         "roundtrip_bitexact": bitexact,
         "roundtrip_differences": {r["rank"]: r.get("roundtrip_differences") for r in outcome.ranks
-                                  if r.get("roundtrip_differences")} if opts.fix else None,
+                                  if r.get("roundtrip_differences")} if checked else None,
         "mode": opts.mode, "world_size": opts.world_size, "torch": torch_v, "accelerate": accelerate_v,
         "failed_phase": point.phase, "failed_call": point.accelerate_call, "waiting_call": point.waiting_call,
         "failed_rank": failing["rank"] if failing else None,
@@ -512,6 +518,7 @@ def format_report(report: dict) -> str:
             lines.append(f"  async: each save published in the background; training waited {stalls} "
                          f"(rank 0's INFO lines)")
         lines.append(f"  saves completed on every rank: {report['save_ok']}" + (
+            "; not loaded back (--no-roundtrip)" if report["roundtrip_bitexact"] is None else
             f"; state loaded back bit-identical to the state saved, on every rank: {report['roundtrip_bitexact']}"))
         if report.get("deadline_source"):
             lines.append(f"  deadline: {report['deadline_source']}")

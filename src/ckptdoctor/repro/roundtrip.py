@@ -65,14 +65,18 @@ class FixedSave:
 
     local_adapters = True  # LoRA weights gathered adapter by adapter (adapter_state_dict), not the whole model
 
-    def __init__(self, checkpoint_timeout_s: float):
+    def __init__(self, checkpoint_timeout_s: float, roundtrip: bool = True):
         self.timeout_s = checkpoint_timeout_s
+        self.roundtrip = roundtrip
         self.checkpointing = None
         self.roundtrip_differences: list[str] | None = None
 
     def __call__(self, trainer, output_dir) -> None:
         if self.checkpointing is None:
             self.checkpointing = ScalableCheckpointing(trainer.accelerator, timeout_s=self.timeout_s)
+        if not self.roundtrip:
+            self.checkpointing.save_state(output_dir)
+            return
         before = local_state(trainer.model, trainer.optimizer)
         path = self.checkpointing.save_state(output_dir)
         scramble(trainer.model, trainer.optimizer)

@@ -32,6 +32,7 @@ class WorkerSpec:
     checkpoint_deadline_s: float
     training_timeout_s: float = 1800.0
     fix: bool = False
+    roundtrip: bool = True          # with fix: each save is loaded back in place and compared (roundtrip.FixedSave)
     resume_step: int | None = None  # load step-<N>/accelerator from output_dir (with the fix) before training
     # Time gloo operations (calibration). Off in the reproduction itself, so that its
     # tracebacks hold torch's and Accelerate's frames only, as the report's do.
@@ -138,7 +139,8 @@ def run(spec: WorkerSpec) -> int:
     save_hook = None
     if spec.fix:  # the default group keeps the scaled deadline; saves move to their own group
         from .roundtrip import FixedSave
-        save_hook = FixedSave(checkpoint_timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR)
+        save_hook = FixedSave(checkpoint_timeout_s=spec.checkpoint_deadline_s * CHECKPOINT_TIMEOUT_FACTOR,
+                              roundtrip=spec.roundtrip)
     try:
         trainer = AccelerateTrainer(spec.config, spec.shape, spec.output_dir, training_group, save_hook)
         if spec.resume_step is not None:

@@ -148,6 +148,7 @@ class MovaRun:
 
     mode: str = "sft"                  # "sft" (use_lora False) or "lora"
     world_size: int = 8                # fsdp_8.yaml: num_processes 8 (cp 4 x dp_shard 2)
+    context_parallel: int = CONTEXT_PARALLEL  # folded into the FSDP mesh; the data-parallel size is the rest
     video_layers: int = 12
     max_steps: int = 4                 # micro-steps, as MOVA counts global_step
     save_interval: int = 4             # a multiple of gradient accumulation: saves fall on optimizer steps
@@ -166,7 +167,7 @@ class MovaRun:
     def data_parallel_size(self) -> int:
         """The ranks the dataloader is split over: fsdp_8.yaml folds context parallelism (4) into
         the mesh, so 8 ranks hold 2 data-parallel shards."""
-        return max(1, self.world_size // CONTEXT_PARALLEL)
+        return max(1, self.world_size // self.context_parallel)
 
     def config_text(self, save_path: Path) -> str:
         """A config file in the format of MOVA's configs/training/mova_train_accelerate_8.py."""
@@ -226,9 +227,9 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     args = [python or sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(extract_copy / ACCELERATE_CONFIG), "--main_process_port", "0",
             "-m", "ckptdoctor.repro.mova.rank", str(spec)]
-    if run.world_size != 8:
-        args[5:5] = ["--num_processes", str(run.world_size), "--parallelism_config_dp_shard_size",
-                     str(run.data_parallel_size)]
+    if (run.world_size, run.context_parallel) != (8, CONTEXT_PARALLEL):  # accelerate launch's own flags
+        args[5:5] = ["--num_processes", str(run.world_size), "--parallelism_config_cp_size", str(run.context_parallel),
+                     "--parallelism_config_dp_shard_size", str(run.data_parallel_size)]
     log_path = root / "job.log"
     if progress:
         progress(f"  MOVA {run.mode}: {run.world_size} ranks, gloo deadline {deadline_s:.3f} s, log {log_path}")
