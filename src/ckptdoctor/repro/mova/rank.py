@@ -12,7 +12,8 @@ config file as its argument), this rank:
   (`pipeline.py`) in MOVA's registries;
 * scales the deadline, not the mechanism: MOVA's `init_process_group` passes no timeout, so the
   default group gets torch's default (30 min for gloo); here that default is the scaled deadline
-  while MOVA creates its group, and the training timeout for every group created after it;
+  while MOVA creates its group, and the training timeout for every group created after it; the
+  ranks meet just before that group is made (`meet_before_the_default_group` says why);
 * puts FSDP's collectives (HCCL's job on NPU) on a group of their own with the training timeout,
   and lets the ranks meet on it as `train()` starts and before each `_save_checkpoint`
   (`training_group_for_fsdp_and_movas_saves` says why);
@@ -96,11 +97,36 @@ def scaled_default_timeout(deadline_s: float, training_timeout_s: float) -> None
     original = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
+        meet_before_the_default_group(training_timeout_s)
         try:
             return original(*args, **kwargs)
         finally:
             c10d.default_pg_timeout = datetime.timedelta(seconds=training_timeout_s)
     c10d.init_process_group = init_process_group
+
+
+ARRIVED, ALL_ARRIVED = "ckptdoctor/arrived-at-init", "ckptdoctor/all-arrived-at-init"
+
+
+def meet_before_the_default_group(timeout_s: float) -> None:
+    """Every rank waits here (on torchrun's own store, `timeout_s`) until all have arrived.
+
+    Creating the gloo group connects every pair of ranks, and each waits for the others'
+    addresses with the group's timeout: the scaled deadline. Eight ranks finish importing MOVA
+    on two shared cores seconds apart, so a deadline under a second could time out here, in
+    `init_process_group` (a LoRA attempt at 330 ms did: `wait timeout after 330ms, keys:
+    /default_pg/0//cpu//0/0`). Startup skew is not what the reporter's 1,800 s measured. Without
+    torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) there is no store before the group's
+    own, and nothing is done."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    if store.add(ARRIVED, 1) == int(os.environ["WORLD_SIZE"]):
+        store.set(ALL_ARRIVED, "1")
+    store.wait([ALL_ARRIVED])
 
 
 def adjust_for_cpu_after_movas_init() -> None:
