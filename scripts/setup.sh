@@ -2,9 +2,13 @@
 # Create (or reuse) the pinned virtual environment of one stack: .venv/<stack>.
 #   scripts/setup.sh user     torch 2.8.0 + accelerate 1.13.0 (the reporter's stack)
 #   scripts/setup.sh newest   torch 2.15.0 + accelerate 1.16.0
+#   scripts/setup.sh --check-only STACK   only the disk check; prints the MB the install needs (0: installed)
+# CKPTDOCTOR_DISK_RESERVED_MB: MB that installs running beside this one take (scripts/test sets it).
 # Idempotent: a stamp holding the hash of the lock file and pyproject.toml skips
 # the install when nothing changed, so a second run costs about a second.
 set -euo pipefail
+check_only=0
+if [ "${1:-}" = "--check-only" ]; then check_only=1; shift; fi
 stack="${1:-user}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 lock="$root/requirements/${stack}-stack.lock"
@@ -13,6 +17,7 @@ venv="$root/.venv/$stack"
 stamp="$venv/.ckptdoctor-stamp"
 want="$(cat "$lock" "$root/pyproject.toml" | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$venv/bin/python" ]; then
+  if [ "$check_only" = 1 ]; then echo 0; fi
   exit 0
 fi
 # Fail before pip does, with a message that says how much to free. Measured here (the
@@ -25,6 +30,9 @@ case "$stack" in
   *) venv_mb=7700 download_mb=4500 ;;  # user, and any stack not listed here
 esac
 if [ -n "${CKPTDOCTOR_DISK_NEED_MB:-}" ]; then venv_mb="$CKPTDOCTOR_DISK_NEED_MB" download_mb=0; fi
+reserved="${CKPTDOCTOR_DISK_RESERVED_MB:-0}"
+beside=""
+if [ "$reserved" -gt 0 ]; then beside=" (with ${reserved} MB for the installs beside it)"; fi
 free_mb() { df -Pm "$1" | awk 'NR == 2 {print $4}'; }
 require_mb() {  # require_mb DIR MB WHAT
   local free; free="$(free_mb "$1")"
@@ -35,11 +43,12 @@ require_mb() {  # require_mb DIR MB WHAT
 }
 downloads="${TMPDIR:-/tmp}"
 if [ "$(stat -c %d "$root")" = "$(stat -c %d "$downloads")" ]; then
-  require_mb "$root" $((venv_mb + download_mb)) "the environment plus pip's downloads"
+  require_mb "$root" $((venv_mb + download_mb + reserved)) "the environment plus pip's downloads$beside"
 else
-  require_mb "$root" "$venv_mb" "the environment"
-  require_mb "$downloads" "$download_mb" "pip's downloads"
+  require_mb "$root" $((venv_mb + reserved)) "the environment$beside"
+  require_mb "$downloads" $((download_mb + reserved)) "pip's downloads$beside"
 fi
+if [ "$check_only" = 1 ]; then echo $((venv_mb + download_mb)); exit 0; fi
 
 echo "setup: installing the '$stack' stack into .venv/$stack (torch wheels are large; a few minutes the first time)" >&2
 python3.11 -m venv "$venv"
