@@ -40,8 +40,8 @@ def register(subparsers) -> None:
                         help="with --fix: save in the background (CKPTDOCTOR_ASYNC=1); the report gives how long "
                              "training waited per save")
     parser.add_argument("--no-roundtrip", action="store_true",
-                        help="with --fix: save only, do not load the checkpoint back and compare it (the load runs "
-                             "FSDP's own collectives at the short deadline, which the fix does not move)")
+                        help="with --fix: save only, without loading the checkpoint back and comparing it bit for "
+                             "bit (a shorter job; the round trip is the default)")
     parser.add_argument("--integration", choices=("full", "minimal"), default=default(ReproOptions, "integration"),
                         help="with --fix on MOVA's trainer: full = patches/mova-feat-npu.patch (default); minimal = "
                              "`ckptdoctor integrate` (one call after accelerator.prepare)")
