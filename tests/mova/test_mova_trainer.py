@@ -238,7 +238,7 @@ def test_a_rank_frozen_mid_save_makes_the_others_leave_on_their_own_and_the_resu
     left = re.findall(rf"ckptdoctor: rank (\d+): rank\(s\) 3 stopped answering for 6 s; exiting with code "
                       rf"{EXIT_LOST_RANK} \(nothing was published\)", log)
     assert left and set(map(int, left)) <= {0, 1, 2}, log[-3000:]  # the first one out ends the job:
-    assert f"(exitcode: {EXIT_LOST_RANK})" in log  # torchrun then stops the rest, the frozen one with SIGKILL
+    assert f"(exitcode: {EXIT_LOST_RANK})" in log  # torchrun then stops the rest (the frozen one: wait_for_torchrun)
     assert frozen.save_path == save_path and "[Resume] Loaded from " + str(save_path / "step-4") in log
     assert find_latest(save_path) == save_path / "step-4"  # step-8 was never published ...
     assert not (save_path / "step-8").exists() and [p.name.startswith("step-8" + INCOMPLETE)

@@ -7,6 +7,9 @@ Output goes to one combined log with a `[rankN]:` prefix on every line. When a r
 the others get `grace_s` to fail on their own, then are torn down (SIGTERM, then SIGKILL),
 as torchrun's agent tears a job down. Once some rank has ended and every rank left is stopped
 (SIGSTOP, a fault the tests inject), those are torn down at once: none of them can act again.
+Under torchrun (MOVA's harness: `accelerate launch`), `wait_for_torchrun` does the same for a
+rank a fault froze: SIGKILL as soon as torchrun's SIGTERM waits for it, where torchrun itself
+would wait 30 s first.
 """
 
 from __future__ import annotations
@@ -101,10 +104,11 @@ def _only_stopped_ranks_left(procs: list[subprocess.Popen]) -> bool:
     """Some rank has ended and every rank still running is stopped (SIGSTOP): nothing can change
     any more, so waiting out the grace or the timeout would only spend the caller's time."""
     alive = [p for p in procs if p.poll() is None]
-    return len(alive) < len(procs) and all(_stopped(p.pid) for p in alive)
+    return len(alive) < len(procs) and all(stopped(p.pid) for p in alive)
 
 
-def _stopped(pid: int) -> bool:
+def stopped(pid: int) -> bool:
+    """The process is stopped (SIGSTOP); False once it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -112,10 +116,23 @@ def _stopped(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] in "Tt"  # the state field follows the command name in parentheses
 
 
+def asked_to_terminate(pid: int) -> bool:
+    """A SIGTERM waits for the process (pending: a stopped process cannot take it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    pending = 0
+    for line in status.splitlines():
+        if line.startswith(("SigPnd:", "ShdPnd:")):
+            pending |= int(line.split()[1], 16)
+    return bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
 def _tear_down(procs: list[subprocess.Popen]) -> list[int]:
     alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
     for rank in alive:  # a stopped rank cannot act on SIGTERM: it would only wait out the 10 s
-        if _stopped(procs[rank].pid):
+        if stopped(procs[rank].pid):
             os.killpg(procs[rank].pid, signal.SIGKILL)
         else:
             procs[rank].send_signal(signal.SIGTERM)
@@ -127,3 +144,23 @@ def _tear_down(procs: list[subprocess.Popen]) -> list[int]:
             os.killpg(procs[rank].pid, signal.SIGKILL)
             procs[rank].wait()
     return alive
+
+
+def wait_for_torchrun(proc: subprocess.Popen, frozen_pid: Path, deadline: float) -> int:
+    """Wait for a launch through torchrun (`accelerate launch`); its exit code, or -1 past
+    `deadline` (the whole session is killed). `frozen_pid` names the file where a fault writes the
+    pid of the rank it stopped.
+    A rank the fault froze (SIGSTOP) cannot act on torchrun's SIGTERM: torchrun would wait 30 s
+    for it, then SIGKILL it. Once that SIGTERM is pending, the SIGKILL is sent at once: a node that
+    vanished ends no differently, and the 30 s would only spend the test's time."""
+    while proc.poll() is None:
+        if time.time() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return -1
+        if frozen_pid.exists():
+            pid = int(frozen_pid.read_text() or 0)
+            if pid and stopped(pid) and asked_to_terminate(pid):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+    return proc.returncode

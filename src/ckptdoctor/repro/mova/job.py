@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ...errors import CkptDoctorError
 from ..patching import PatchNotApplied, apply_diff
-from .rank import MovaRankSpec
+from ..launcher import wait_for_torchrun
+from .rank import FROZEN_PID, MovaRankSpec
 
 EXTRACT_ENV = "CKPTDOCTOR_MOVA_EXTRACT"
 COMMIT = "056ea5dad743378806294303d19798041b4322ca"  # MOVA feat/npu, the extract's ORIGIN.md
@@ -240,12 +241,8 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
            **run.env}
     warm_first_imports(args[0], env)
     with open(log_path, "w") as log:
-        try:
-            proc = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=run.job_timeout_s,
-                                  start_new_session=True)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = -1
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        code = wait_for_torchrun(proc, results / FROZEN_PID, start + run.job_timeout_s)
     ranks = []
     for rank in range(run.world_size):
         path = results / f"rank{rank}.json"
@@ -253,3 +250,4 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     if progress:
         progress(f"  MOVA {run.mode}: done in {time.time() - start:.0f} s, exit code {code}")
     return MovaOutcome(ranks, code, log_path, save_path, time.time() - start)
+

@@ -44,6 +44,7 @@ from pathlib import Path
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 TRAIN_SCRIPT = Path("scripts") / "training_scripts" / "accelerate_train.py"
+FROZEN_PID = "frozen_pid"  # in the results directory: the pid of the rank the fault froze
 
 
 @dataclasses.dataclass
@@ -273,6 +274,7 @@ def arm_fault(fault: dict, rank: int, results_dir: str, probe) -> None:
                 Path(results_dir, "fault_at").write_text(repr(time.time()))
                 Path(results_dir, "fault_thread").write_text(threading.current_thread().name)  # async: the background
                 if fault["kind"] == "sigstop":
+                    Path(results_dir, FROZEN_PID).write_text(str(os.getpid()))  # for run_mova's teardown
                     os.kill(os.getpid(), signal.SIGSTOP)
                 else:
                     os._exit(9)
