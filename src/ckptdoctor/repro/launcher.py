@@ -7,7 +7,8 @@ Output goes to one combined log with a `[rankN]:` prefix on every line. When a r
 the others get `grace_s` to fail on their own, then are torn down (SIGTERM, then SIGKILL),
 as torchrun's agent tears a job down. Once some rank has ended and every rank left is stopped
 (SIGSTOP, a fault the tests inject), those are torn down at once: none of them can act again.
-Under torchrun (MOVA's harness: `accelerate launch`), `wait_for_torchrun` does the same for a
+The test suite forks its ranks from a zygote that has imported torch once (zygote.py says
+what that changes). Under torchrun (MOVA's harness: `accelerate launch`), `wait_for_torchrun` does the same for a
 rank a fault froze: SIGKILL as soon as torchrun's SIGTERM waits for it, where torchrun itself
 would wait 30 s first.
 """
@@ -24,6 +25,11 @@ import time
 from pathlib import Path
 
 from ..ports import free_port
+from .zygote import Zygote
+
+# Fresh interpreters, as torchrun starts them; the test suite forks its ranks from a zygote
+# instead (tests/conftest.py; CKPTDOCTOR_FRESH_RANKS=1 turns that off).
+PRELOADED_BY_DEFAULT = False
 
 
 @dataclasses.dataclass
@@ -49,9 +55,10 @@ def _pump(stream, rank: int, log, lock: threading.Lock, echo) -> None:
 
 def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float = 5.0,
            timeout_s: float = 1800.0, env: dict | None = None, echo=None, python: str | None = None,
-           agent_store: bool = False) -> JobResult:
+           agent_store: bool = False, preloaded: bool | None = None) -> JobResult:
     """Run `python <args>` as `world_size` ranks (this interpreter unless `python` names
-    another); returns when all have exited."""
+    another); returns when all have exited. `preloaded`: fork the ranks from a zygote that has
+    imported torch (zygote.py; default PRELOADED_BY_DEFAULT), where this interpreter runs them."""
     port = free_port()
     store = _agent_store(port, world_size, timeout_s) if agent_store else None
     if store is not None:
@@ -60,13 +67,18 @@ def launch(args: list[str], world_size: int, log_path: Path, *, grace_s: float =
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                 "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    preloaded = PRELOADED_BY_DEFAULT if preloaded is None else preloaded
+    zygote = Zygote.get(sys.executable, base_env) if preloaded and python in (None, sys.executable) else None
     lock, threads, procs = threading.Lock(), [], []
     start = time.time()
     with open(log_path, "w") as log:
         for rank in range(world_size):
             rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0"}
-            proc = subprocess.Popen([python or sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            if zygote is not None:
+                proc = zygote.fork(args, rank_env)
+            else:
+                proc = subprocess.Popen([python or sys.executable, *args], env=rank_env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
             procs.append(proc)
             thread = threading.Thread(target=_pump, args=(proc.stdout, rank, log, lock, echo), daemon=True)
             thread.start()
