@@ -4,8 +4,12 @@ Why: a fresh interpreter spends about 3 s of CPU importing torch (its CUDA build
 CPU). A 4-rank job on 2 cores spent about 6 s of its wall time on that alone, and the suite
 starts hundreds of ranks. Forked from a process that has already imported torch, a rank starts
 in milliseconds and is otherwise the same: a real process of its own, with its own gloo groups,
-its own pid and session, its own exit status. torch's own distributed tests start their ranks
-by fork in the same way (`MultiProcessTestCase`).
+its own pid and session, its own exit status.
+
+Not multiprocessing's "forkserver" (which `check/jobs.py` uses): its children run a function
+and leave by os._exit, so atexit handlers and interpreter shutdown never run, and the tests of
+a background save that the end of the process must wait for need both; they also could not
+take a pipe of the launcher's as stdout or start a session of their own.
 
 The protocol, one zygote per interpreter and import-time environment, started by the first
 launch that asks for it (`Zygote.get`), living until that launcher process exits:
