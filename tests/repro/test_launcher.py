@@ -40,8 +40,8 @@ TORCHRUN_LIKE = textwrap.dedent("""
     rank = subprocess.Popen([sys.executable, "-c", "import os, signal, sys; "
                              "open(sys.argv[1], 'w').write(str(os.getpid())); os.kill(os.getpid(), signal.SIGSTOP)",
                              sys.argv[1]])
-    while not os.path.exists(sys.argv[1]) or open(sys.argv[1]).read() == "":
-        pass
+    while not os.path.exists(sys.argv[1]) or open(f"/proc/{rank.pid}/stat").read().split(") ")[1][0] != "T":
+        pass  # the pid is written, and the rank is stopped
     rank.send_signal(signal.SIGTERM)
     try:
         print("rank ended:", rank.wait(timeout=30))

@@ -30,7 +30,7 @@ launch that asks for it (`Zygote.get`), living until that launcher process exits
 
 What differs from a fresh interpreter, and why it does not matter to the tests that use it:
 - torch and numpy were imported before the rank's environment was set. Torch's import-time
-  variables (IMPORT_TIME_ENV) must equal the zygote's, or `Launch` falls back to a fresh
+  variables (IMPORT_TIME_ENV) must equal the zygote's, or `launch` falls back to a fresh
   interpreter; the launcher sets OMP_NUM_THREADS=1 for every rank anyway.
 - Every forked rank has the zygote's str hash seed, where fresh interpreters have one each.
   A rank's code that relied on set or dict order of str keys being the same across ranks
@@ -138,13 +138,13 @@ class Zygote:
                 return None
         return zygote
 
-    def fork(self, argv: list[str], env: dict, cwd: str | None = None) -> ForkedRank:
-        """Start `python <argv>` with `env` as a rank forked from this zygote."""
+    def fork(self, argv: list[str], env: dict) -> ForkedRank:
+        """Start `python <argv>` with `env`, in this directory, as a rank forked from this zygote."""
         read, write = os.pipe()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             conn.connect(self.address)
-            request = json.dumps({"argv": argv, "env": env, "cwd": cwd or os.getcwd()}).encode()
+            request = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [request], [write])
         finally:
             os.close(write)

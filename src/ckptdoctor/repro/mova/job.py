@@ -250,4 +250,3 @@ def run_mova(run: MovaRun, extract_copy: Path, root: Path, deadline_s: float, *,
     if progress:
         progress(f"  MOVA {run.mode}: done in {time.time() - start:.0f} s, exit code {code}")
     return MovaOutcome(ranks, code, log_path, save_path, time.time() - start)
-
